@@ -1,0 +1,1 @@
+"""Runnable recipes (TOML) shipped with fmoe."""

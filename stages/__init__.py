@@ -1,0 +1,1 @@
+"""Model definitions as pure stage functions: building blocks and one module per family."""

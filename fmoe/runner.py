@@ -1,0 +1,170 @@
+"""The sequential reference: a model's stages run one after another in one process.
+
+Every parallel feature (pipeline schedules, expert and data parallelism) is tested against
+:func:`run_sequential`. A step's loss is the mean over microbatches of each microbatch's loss, the
+sum of every stage's weighted loss outputs (cross-entropy, router aux losses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fmoe import stage as S
+from fmoe.stages.spec import Model, Stage, StageContext
+
+Batch = Mapping[str, Tensor]
+
+
+@dataclass
+class StepResult:
+    """loss: scalar tensor (mean over microbatches); grads: {global name: gradient} for every parameter;
+    microbatch_losses: each microbatch's loss."""
+
+    loss: Tensor
+    grads: dict[str, Tensor]
+    microbatch_losses: list[Tensor]
+
+
+def with_positions(batch: Batch) -> dict[str, Tensor]:
+    """Add ``positions`` [s] (0..s-1) to a batch of tokens [b, s] that lacks them."""
+    out = dict(batch)
+    if "positions" not in out:
+        out["positions"] = torch.arange(out["tokens"].shape[1], device=out["tokens"].device)
+    return out
+
+
+def split_microbatches(batch: Batch, num_microbatches: int) -> list[dict[str, Tensor]]:
+    """Split each [b, ...] field along dim 0 into ``num_microbatches`` equal parts (positions are shared)."""
+    batch = with_positions(batch)
+    b = batch["tokens"].shape[0]
+    if num_microbatches < 1 or b % num_microbatches:
+        raise ValueError(f"batch size {b} does not split into {num_microbatches} equal microbatches")
+    size = b // num_microbatches
+    return [
+        {k: (v if k == "positions" else v[i * size : (i + 1) * size]) for k, v in batch.items()}
+        for i in range(num_microbatches)
+    ]
+
+
+def stage_inputs(stage: Stage, carry: Sequence[Tensor], batch: Batch) -> tuple[Tensor, ...]:
+    """A stage's inputs: the previous stage's carried outputs, then the batch fields it names."""
+    missing = [k for k in stage.batch_inputs if k not in batch]
+    if missing:
+        raise S.StageError(
+            f"stage {stage.name!r} needs batch fields {missing}; the batch has {sorted(batch)}"
+        )
+    return tuple(carry) + tuple(batch[k] for k in stage.batch_inputs)
+
+
+def split_outputs(stage: Stage, outputs: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """(carried outputs, weighted loss terms) of a stage's outputs."""
+    n = len(outputs) - len(stage.losses)
+    terms = tuple(w * outputs[n + i] for i, w in enumerate(stage.losses))
+    return tuple(outputs[:n]), terms
+
+
+def sum_terms(terms: Sequence[Tensor]) -> Tensor:
+    """A microbatch's loss from its loss terms, always summed in stage order (bitwise reproducible)."""
+    total = terms[0].float()
+    for t in terms[1:]:
+        total = total + t.float()
+    return total
+
+
+def mean_loss(microbatch_losses: Sequence[Tensor]) -> Tensor:
+    return torch.stack(list(microbatch_losses)).sum() / len(microbatch_losses)
+
+
+def accumulate(total: dict[str, Tensor], grads: Mapping[str, Tensor]) -> None:
+    """total[name] += grads[name], in place, creating entries as needed."""
+    for name, g in grads.items():
+        if name in total:
+            total[name] += g
+        else:
+            total[name] = g.clone()
+
+
+def forward_microbatch(
+    model: Model, params: Mapping[str, Tensor], batch: Batch, ctx: StageContext
+) -> tuple[list[S.Forwarded], Tensor]:
+    """F of every stage for one microbatch: (what B needs per stage, the microbatch's loss)."""
+    carry: tuple[Tensor, ...] = ()
+    fwds, terms = [], []
+    for stage in model.stages:
+        outputs, fwd = S.forward(stage, params, stage_inputs(stage, carry, batch), ctx)
+        carry, stage_terms = split_outputs(stage, outputs)
+        fwds.append(fwd)
+        terms.extend(stage_terms)
+    return fwds, sum_terms(terms)
+
+
+def backward_microbatch(fwds: Sequence[S.Forwarded], loss_scale: float) -> list[S.WeightGradWork]:
+    """B of every stage, last to first; returns each stage's W work (in forward order)."""
+    works: list[S.WeightGradWork | None] = [None] * len(fwds)
+    grad: tuple[Tensor | None, ...] = ()
+    for i in range(len(fwds) - 1, -1, -1):
+        fwd = fwds[i]
+        carried = len(fwd.outputs) - len(fwd.stage.losses)
+        grad_out = grad if grad else (None,) * carried
+        grad_in, works[i] = S.backward_input(fwd, grad_out, loss_scale)
+        grad = grad_in[: len(grad_in) - len(fwd.stage.batch_inputs)]
+    return works  # type: ignore[return-value]
+
+
+def weight_grads(works: Sequence[S.WeightGradWork]) -> dict[str, Tensor]:
+    """W of every stage, summed by parameter name."""
+    total: dict[str, Tensor] = {}
+    for work in works:
+        accumulate(total, S.backward_weight(work))
+    return total
+
+
+def zero_missing(
+    grads: dict[str, Tensor], params: Mapping[str, Tensor], names: Sequence[str]
+) -> dict[str, Tensor]:
+    """Every parameter in ``names`` gets a gradient entry (zeros where none flowed), in that order."""
+    return {n: grads[n] if n in grads else torch.zeros_like(params[n]) for n in names}
+
+
+def run_sequential(
+    model: Model,
+    params: Mapping[str, Tensor],
+    batch: Batch,
+    num_microbatches: int = 1,
+    seed: int = 0,
+) -> StepResult:
+    """One training step's loss and gradients: per microbatch F of all stages, B last to first, then W.
+
+    batch: {"tokens": [b, s] int64, "labels": [b, s] int64, optional "positions"}.
+    """
+    microbatches = split_microbatches(batch, num_microbatches)
+    grads: dict[str, Tensor] = {}
+    losses = []
+    for i, mb in enumerate(microbatches):
+        fwds, loss = forward_microbatch(model, params, mb, StageContext(microbatch=i, seed=seed))
+        losses.append(loss)
+        accumulate(grads, weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches)))
+    return StepResult(mean_loss(losses), zero_missing(grads, params, model.param_names()), losses)
+
+
+def model_loss(
+    model: Model, params: Mapping[str, Tensor], batch: Batch, num_microbatches: int = 1, seed: int = 0
+) -> Tensor:
+    """The same step's loss as one plain differentiable function of ``params`` (no derivation):
+    the reference ``run_sequential`` is checked against with ``torch.autograd``."""
+    losses = []
+    for i, mb in enumerate(split_microbatches(batch, num_microbatches)):
+        carry: tuple[Tensor, ...] = ()
+        terms: list[Tensor] = []
+        for stage in model.stages:
+            outputs = S.call(
+                stage, params, stage_inputs(stage, carry, mb), StageContext(microbatch=i, seed=seed)
+            )
+            carry, stage_terms = split_outputs(stage, outputs)
+            terms.extend(stage_terms)
+        losses.append(sum_terms(terms))
+    return mean_loss(losses)

@@ -1,0 +1,167 @@
+"""Shared building blocks of MoE transformers, as plain functions over tensors.
+
+Shapes use b = batch, s = sequence, T = b * s tokens, H = hidden size, E = experts, k = top-k,
+n = T * k routed rows, d = head dim. Weights are stored as in Hugging Face: a linear weight is
+[out, in]; expert weights are stacked, gate_up [E, 2I, H] (gate rows first) and down [E, H, I].
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from fmoe.stages.primitives import grouped_linear, linear
+from torch import Tensor
+
+_HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face does. x: [..., D], weight: [D]."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotary_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos, sin tables [..., d] for integer ``positions`` [...] (half-rotation layout)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
+    freqs = positions[..., None].to(torch.float32) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [b, heads, s, d] by cos/sin [b, s, d] (or [s, d])."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal grouped-query attention. q: [b, hq, s, d], k/v: [b, hkv, s, d] -> [b, hq, s, d].
+
+    Uses flash_attn when importable (CUDA, 16-bit), else torch SDPA (cuDNN/flash on GPU, math on CPU).
+    """
+    if _HAS_FLASH_ATTN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=True
+        )
+        return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def gqa_attention(
+    x: Tensor,
+    positions: Tensor,
+    q_w: Tensor,
+    k_w: Tensor,
+    v_w: Tensor,
+    o_w: Tensor,
+    q_norm_w: Tensor | None,
+    k_norm_w: Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope_theta: float,
+    eps: float,
+) -> Tensor:
+    """Grouped-query self-attention with optional per-head QK RMSNorm and rotary positions.
+
+    x: [b, s, H] (already normed), positions: [b, s] or [s] int64 -> [b, s, H].
+    """
+    b, s, _ = x.shape
+    q = linear(x, q_w).view(b, s, num_heads, head_dim)
+    k = linear(x, k_w).view(b, s, num_kv_heads, head_dim)
+    v = linear(x, v_w).view(b, s, num_kv_heads, head_dim)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = rotary_cos_sin(positions, head_dim, rope_theta, x.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    out = causal_attention(q, k, v, head_dim**-0.5)
+    return linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
+
+
+def top_k_router(
+    x: Tensor, gate_w: Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax router. x: [T, H], gate_w: [E, H] -> (probs [T, E] f32, weights [T, k] x.dtype, ids [T, k] i64).
+
+    Softmax over all experts in float32, top-k, optionally renormalised over the chosen k.
+    """
+    logits = linear(x, gate_w)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights.to(x.dtype), ids
+
+
+def load_balancing_loss(probs: Tensor, ids: Tensor, num_experts: int) -> Tensor:
+    """Switch-style aux loss of one layer: E * sum_e f_e * P_e, a scalar float32.
+
+    f_e: share of the T*k routing slots that chose expert e (no gradient); P_e: mean router
+    probability of e. probs: [T, E] f32, ids: [T, k].
+    """
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=probs.dtype, device=probs.device))
+    f = counts / ids.shape[0]
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up [..., 2I] laid out as [gate | up] -> [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def expert_mlp(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Tensor:
+    """SwiGLU experts over expert-grouped rows. x: [n, H], gate_up_w: [E, 2I, H], down_w: [E, H, I],
+    offs: [E] int32 cumulative end offsets -> [n, H]."""
+    return grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)
+
+
+def dense_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+    """SwiGLU MLP (a dense layer, or a shared expert). x: [..., H] -> [..., H]."""
+    return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
+
+
+def expert_order(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Stable grouping of the n = T*k routing slots by expert.
+
+    ids: [T, k] -> (order [n] int64: slot indices sorted by expert, stable; offs [E] int32).
+    """
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def permute_rows(x: Tensor, order: Tensor, top_k: int) -> Tensor:
+    """Expert-grouped copy of the token rows: x [T, H] -> [n, H], row i = x[order[i] // k]."""
+    return x.index_select(0, order // top_k)
+
+
+def unpermute_rows(y: Tensor, order: Tensor, top_k: int) -> Tensor:
+    """Inverse of :func:`permute_rows`: y [n, H] expert-grouped -> [T, k, H] in token order."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return y.index_select(0, inverse).view(-1, top_k, y.shape[-1])
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean token cross-entropy in float32; labels of -100 are ignored. logits [T, V], labels [T]."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100)

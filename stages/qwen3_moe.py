@@ -1,0 +1,304 @@
+"""Qwen3-MoE as pure stage functions.
+
+Stages, with what flows between them (b batch, s sequence, T = b*s, k top-k, n = T*k):
+  embed      (tokens)            -> (h [b,s,H])
+  per MoE layer l:
+    attn       (h, positions)    -> (h1, x [T,H], ids [T,k], w [T,k])  + aux loss
+    dispatch   (h1, x, ids, w)   -> (h1, x_perm [n,H], w, order [n], offs [E])
+    mlp        (h1, x_perm, w, order, offs) -> (h1, y_perm [n,H], w, order)
+    combine    (h1, y_perm, w, order)       -> (h1, y [T,k,H], w)
+    aggregate  (h1, y, w)        -> (h [b,s,H])
+  per dense layer (mlp_only_layers / decoder_sparse_step): attn (h, positions) -> (h1, x),
+    mlp (h1, x) -> (h1, y), aggregate (h1, y) -> (h)
+  head       (h, labels)         -> (loss,)
+``h1`` is the residual after attention; ``x`` the post-attention-normed tokens the experts read.
+Parameter names are Hugging Face's (transformers' stacked-expert layout), so checkpoint conversion is
+a renaming plus splitting experts.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from dataclasses import dataclass, field, fields
+
+import torch
+from fmoe.stages import layers
+from fmoe.stages.primitives import linear
+from fmoe.stages.spec import Model, Params, Stage, StageContext
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig:
+    """Fields named as in Hugging Face's ``Qwen3MoeConfig``; defaults give a tiny CPU model."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = 16
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    intermediate_size: int = 128
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 0.001
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("head_dim", "mlp_only_layers") or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and value < 0:
+                raise ValueError(f"Qwen3MoeConfig.{f.name} must be >= 0, got {value}")
+        positive = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Qwen3MoeConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"Qwen3MoeConfig: num_attention_heads ({self.num_attention_heads}) must divide "
+                f"hidden_size ({self.hidden_size}) when head_dim is not set"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Qwen3MoeConfig: num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"Qwen3MoeConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"Qwen3MoeConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"Qwen3MoeConfig.mlp_only_layers names layers {bad} outside 0..{self.num_hidden_layers - 1}"
+            )
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# stage functions: pure, over a params dict with the layer prefix stripped
+
+
+def embed(p: Params, inputs: tuple[Tensor, ...], ctx: StageContext) -> tuple[Tensor, ...]:
+    """(tokens [b,s] int64) -> (h [b,s,H])."""
+    (tokens,) = inputs
+    return (torch.nn.functional.embedding(tokens, p["model.embed_tokens.weight"]),)
+
+
+def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
+    """Pre-norm attention with residual, then the post-attention norm and (MoE layers) the router.
+
+    (h [b,s,H], positions [b,s]|[s]) -> MoE: (h1 [b,s,H], x [T,H], ids [T,k] i64, w [T,k], aux [])
+                                       dense: (h1, x [T,H])
+    """
+    h, positions = inputs
+    a = layers.gqa_attention(
+        layers.rms_norm(h, p["input_layernorm.weight"], cfg.rms_norm_eps),
+        positions,
+        p["self_attn.q_proj.weight"],
+        p["self_attn.k_proj.weight"],
+        p["self_attn.v_proj.weight"],
+        p["self_attn.o_proj.weight"],
+        p["self_attn.q_norm.weight"],
+        p["self_attn.k_norm.weight"],
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_size,
+        cfg.rope_theta,
+        cfg.rms_norm_eps,
+    )
+    h1 = h + a
+    x = layers.rms_norm(h1, p["post_attention_layernorm.weight"], cfg.rms_norm_eps).reshape(
+        -1, cfg.hidden_size
+    )
+    if not moe:
+        return h1, x
+    probs, w, ids = layers.top_k_router(x, p["mlp.gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    outputs = (h1, x, ids, w)
+    if cfg.router_aux_loss_coef:
+        outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts),)
+    return outputs
+
+
+def dispatch(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
+    """Group the T*k routing slots by expert (one expert-parallel rank: a local permutation).
+
+    (h1, x [T,H], ids [T,k], w [T,k]) -> (h1, x_perm [n,H], w, order [n] i64, offs [E] i32)
+    """
+    h1, x, ids, w = inputs
+    order, offs = layers.expert_order(ids, cfg.num_experts)
+    return h1, layers.permute_rows(x, order, cfg.num_experts_per_tok), w, order, offs
+
+
+def mlp(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
+    """MoE: (h1, x_perm [n,H], w, order, offs) -> (h1, y_perm [n,H], w, order); dense: (h1, x) -> (h1, y)."""
+    if not moe:
+        h1, x = inputs
+        return h1, layers.dense_mlp(
+            x, p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p["mlp.down_proj.weight"]
+        )
+    h1, x_perm, w, order, offs = inputs
+    y = layers.expert_mlp(x_perm, p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"], offs)
+    return h1, y, w, order
+
+
+def combine(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
+    """Back to token order: (h1, y_perm [n,H], w, order) -> (h1, y [T,k,H], w)."""
+    h1, y_perm, w, order = inputs
+    return h1, layers.unpermute_rows(y_perm, order, cfg.num_experts_per_tok), w
+
+
+def aggregate(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
+    """Weighted sum of the k expert outputs plus the residual: (h1, y [T,k,H], w [T,k]) -> (h [b,s,H])."""
+    if not moe:
+        h1, y = inputs
+        return (h1 + y.view_as(h1),)
+    h1, y, w = inputs
+    return (h1 + torch.einsum("tkh,tk->th", y, w.to(y.dtype)).view_as(h1),)
+
+
+def head_logits(cfg: Qwen3MoeConfig, p: Params, h: Tensor) -> Tensor:
+    """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
+    lm_head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
+    return linear(layers.rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head)
+
+
+def head(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
+    """(h [b,s,H], labels [b,s] i64, -100 ignored) -> (mean token cross-entropy,)."""
+    h, labels = inputs
+    logits = head_logits(cfg, p, h)
+    return (layers.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)),)
+
+
+# ----------------------------------------------------------------------------------------------
+# the model
+
+
+def param_shapes(cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global name and shape, in a stable order."""
+    H, d = cfg.hidden_size, cfg.head_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        shapes[pre + "input_layernorm.weight"] = (H,)
+        shapes[pre + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * d, H)
+        shapes[pre + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, H)
+        shapes[pre + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, H)
+        shapes[pre + "self_attn.o_proj.weight"] = (H, cfg.num_attention_heads * d)
+        shapes[pre + "self_attn.q_norm.weight"] = (d,)
+        shapes[pre + "self_attn.k_norm.weight"] = (d,)
+        shapes[pre + "post_attention_layernorm.weight"] = (H,)
+        if cfg.is_moe_layer(i):
+            E, I = cfg.num_experts, cfg.moe_intermediate_size
+            shapes[pre + "mlp.gate.weight"] = (E, H)
+            shapes[pre + "mlp.experts.gate_up_proj"] = (E, 2 * I, H)
+            shapes[pre + "mlp.experts.down_proj"] = (E, H, I)
+        else:
+            I = cfg.intermediate_size
+            shapes[pre + "mlp.gate_proj.weight"] = (I, H)
+            shapes[pre + "mlp.up_proj.weight"] = (I, H)
+            shapes[pre + "mlp.down_proj.weight"] = (H, I)
+    shapes["model.norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+def init_params(
+    cfg: Qwen3MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> dict[str, Tensor]:
+    """Seeded init: norms 1, everything else N(0, initializer_range).
+
+    Each parameter draws from its own generator seeded by (seed, name), so a parameter's values do not
+    depend on which others are created (a sharded or pipelined layout inits the same numbers).
+    """
+    params = {}
+    for name, shape in param_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            value = torch.ones(shape)
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            value = torch.randn(shape, generator=gen) * cfg.initializer_range
+        params[name] = value.to(device=device, dtype=dtype)
+    return params
+
+
+def build(cfg: Qwen3MoeConfig) -> Model:
+    """The model's stages in forward order."""
+    shapes = param_shapes(cfg)
+    stages = [Stage("embed", embed, ("model.embed_tokens.weight",), batch_inputs=("tokens",))]
+    layer_of = [-1]
+    aux_weight = cfg.router_aux_loss_coef / max(cfg.num_moe_layers, 1)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        moe = cfg.is_moe_layer(i)
+        owned = [n for n in shapes if n.startswith(pre)]
+        attn_params = tuple(
+            n for n in owned if "self_attn" in n or "layernorm" in n or n.endswith("mlp.gate.weight")
+        )
+        mlp_params = tuple(n for n in owned if n not in attn_params)
+        losses = (aux_weight,) if moe and cfg.router_aux_loss_coef else ()
+        part = functools.partial
+        layer = [Stage(f"layers.{i}.attn", part(attn, cfg, moe), attn_params, pre, ("positions",), losses)]
+        if moe:
+            layer += [
+                Stage(f"layers.{i}.dispatch", part(dispatch, cfg), kind="comm"),
+                Stage(f"layers.{i}.mlp", part(mlp, cfg, True), mlp_params, pre),
+                Stage(f"layers.{i}.combine", part(combine, cfg), kind="comm"),
+            ]
+        else:
+            layer.append(Stage(f"layers.{i}.mlp", part(mlp, cfg, False), mlp_params, pre))
+        layer.append(Stage(f"layers.{i}.aggregate", part(aggregate, cfg, moe)))
+        stages += layer
+        layer_of += [i] * len(layer)
+    head_params = (
+        "model.norm.weight",
+        "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
+    )
+    stages.append(
+        Stage("head", functools.partial(head, cfg), head_params, batch_inputs=("labels",), losses=(1.0,))
+    )
+    layer_of.append(-1)
+    return Model(cfg, tuple(stages), functools.partial(init_params, cfg), tuple(layer_of))
+
+
+def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    """Plain forward to logits [b,s,V] (inference, HF parity checks); runs the same stage functions."""
+    model = build(cfg)
+    ctx = StageContext()
+    pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+    batch = {"tokens": tokens, "positions": pos}
+    carry: tuple[Tensor, ...] = ()
+    for stage in model.stages[:-1]:
+        local = {stage.local_name(n): params[n] for n in stage.params}
+        out = stage.forward(local, carry + tuple(batch[k] for k in stage.batch_inputs), ctx)
+        carry = out[: len(out) - len(stage.losses)]
+    head_stage = model.stages[-1]
+    return head_logits(cfg, {n: params[n] for n in head_stage.params}, carry[0])

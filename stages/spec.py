@@ -1,0 +1,98 @@
+"""What a stage and a model are: plain descriptions, no behaviour.
+
+A stage is a pure function ``forward(params, inputs, ctx) -> outputs``. ``params`` maps the stage's
+local parameter names (its global names less ``prefix``) to tensors, ``inputs`` is the tuple the
+previous stage returned followed by the batch fields the stage names in ``batch_inputs``, and
+``outputs`` is a tuple of tensors: first the ones the next stage receives, then one scalar per entry
+of ``losses`` (a loss term with that weight, e.g. the router's load-balancing loss).
+
+fmoe's runtime (``fmoe.stage``) derives each stage's F, B and W from the forward alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+Params = Mapping[str, Tensor]
+StageFn = Callable[[Params, tuple[Tensor, ...], "StageContext"], tuple[Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Static description of one stage call.
+
+    microbatch: index of the microbatch in the step; seed: the step's seed (randomness, if any,
+    derives from it and ``microbatch``); groups: process groups by mesh dim name ("ep", "cp", ...),
+    absent when that dim has size 1; fp8: run FP8 GEMMs where a stage supports them.
+    """
+
+    microbatch: int = 0
+    seed: int = 0
+    groups: Mapping[str, Any] = field(default_factory=dict)
+    fp8: bool = False
+
+    def group(self, name: str) -> Any:
+        return self.groups.get(name)
+
+
+@dataclass(frozen=True)
+class CustomGrad:
+    """Hand-written F/B/W for a stage, used instead of the derived ones (tests compare the two).
+
+    forward(params, inputs, ctx) -> (outputs, saved)
+    backward_input(params, saved, grad_outputs) -> (grad_inputs, w_saved)
+        grad_outputs: one tensor or None per output (losses included, already scaled)
+        grad_inputs: one tensor or None per input
+    backward_weight(params, w_saved) -> {local parameter name: gradient}
+    """
+
+    forward: Callable[..., tuple[tuple[Tensor, ...], Any]]
+    backward_input: Callable[..., tuple[tuple[Tensor | None, ...], Any]]
+    backward_weight: Callable[..., dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pure stage of a model.
+
+    name: unique within the model, e.g. "layers.3.attn"; params: the global parameter names it reads;
+    prefix: stripped from those names to form the keys ``forward`` sees; kind: "compute" or "comm"
+    (communication stages are what a schedule overlaps with another microbatch's compute).
+    """
+
+    name: str
+    forward: StageFn
+    params: tuple[str, ...] = ()
+    prefix: str = ""
+    batch_inputs: tuple[str, ...] = ()
+    losses: tuple[float, ...] = ()
+    kind: str = "compute"
+    custom: CustomGrad | None = None
+
+    def local_name(self, global_name: str) -> str:
+        return global_name[len(self.prefix) :]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model: its config, its stages in forward order, and a seeded parameter initialiser.
+
+    init(seed, dtype, device) -> params dict keyed by global (Hugging Face) names.
+    layer_of[i] is the transformer layer stage i belongs to (-1 for the embedding and the head).
+    """
+
+    config: Any
+    stages: tuple[Stage, ...]
+    init: Callable[..., dict[str, Tensor]]
+    layer_of: tuple[int, ...] = ()
+
+    def param_names(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for stage in self.stages:
+            for name in stage.params:
+                seen.setdefault(name)
+        return list(seen)

@@ -302,3 +302,92 @@ def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tenso
         carry = out[: len(out) - len(stage.losses)]
     head_stage = model.stages[-1]
     return head_logits(cfg, {n: params[n] for n in head_stage.params}, carry[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face checkpoint layout: experts stored one by one (the hub's layout; transformers also
+# reads it into its stacked layout), everything else under the same names as here.
+
+HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
+HF_MODEL_TYPE = "qwen3_moe"
+
+
+def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
+    """fmoe params -> Hugging Face hub tensors (per-expert gate/up/down projections)."""
+    out: dict[str, Tensor] = {}
+    inter = cfg.moe_intermediate_size
+    for name, t in params.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            pre = name[: -len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{pre}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            pre = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{pre}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
+    """Hugging Face tensors (hub per-expert layout or transformers' stacked layout) -> fmoe params.
+
+    Raises KeyError naming the first missing tensor.
+    """
+    params: dict[str, Tensor] = {}
+    for name in param_shapes(cfg):
+        if name in tensors:
+            params[name] = tensors[name]
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            pre = name[: -len("gate_up_proj")]
+            params[name] = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            _need(tensors, f"{pre}{e}.gate_proj.weight"),
+                            _need(tensors, f"{pre}{e}.up_proj.weight"),
+                        ]
+                    )
+                    for e in range(cfg.num_experts)
+                ]
+            )
+        elif name.endswith("mlp.experts.down_proj"):
+            pre = name[: -len("down_proj")]
+            params[name] = torch.stack(
+                [_need(tensors, f"{pre}{e}.down_proj.weight") for e in range(cfg.num_experts)]
+            )
+        else:
+            _need(tensors, name)
+    return params
+
+
+def _need(tensors: Params, name: str) -> Tensor:
+    if name not in tensors:
+        raise KeyError(f"Hugging Face checkpoint lacks tensor {name!r}")
+    return tensors[name]
+
+
+def hf_config(cfg: Qwen3MoeConfig) -> dict:
+    """config.json for transformers' Qwen3MoeForCausalLM."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    out["head_dim"] = cfg.head_size
+    out["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out.update(
+        architectures=[HF_ARCHITECTURE], model_type=HF_MODEL_TYPE, hidden_act="silu", attention_bias=False
+    )
+    out.update(output_router_logits=False, use_cache=False)
+    return out
+
+
+def config_from_hf(hf: dict) -> Qwen3MoeConfig:
+    """Our config from a config.json dict (unknown keys ignored, rope_theta from rope_parameters)."""
+    names = {f.name for f in fields(Qwen3MoeConfig)}
+    kwargs = {k: v for k, v in hf.items() if k in names}
+    if "rope_theta" not in kwargs and isinstance(hf.get("rope_parameters"), dict):
+        kwargs["rope_theta"] = hf["rope_parameters"].get("rope_theta", Qwen3MoeConfig.rope_theta)
+    if "mlp_only_layers" in kwargs:
+        kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])
+    return Qwen3MoeConfig(**kwargs)

@@ -1,0 +1,84 @@
+"""Hugging Face checkpoints: export fmoe params to a folder transformers loads, and import back.
+
+A family module in ``fmoe.stages`` supplies the pure conversions (``to_hf``, ``from_hf``,
+``hf_config``, ``config_from_hf``); this module does the files: ``config.json`` and
+``model.safetensors``, written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from fmoe.stages import qwen3_moe
+
+FAMILIES: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe}
+
+
+def family(name: str) -> ModuleType:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def export_hf(
+    family_name: str, cfg, params: dict[str, Tensor], out_dir: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` for transformers; returns the folder."""
+    fam = family(family_name)
+    out_dir = Path(out_dir)
+    tensors = {
+        k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
+        for k, v in fam.to_hf(cfg, params).items()
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = fam.hf_config(cfg)
+        config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, object, dict[str, Tensor]]:
+    """Read a Hugging Face folder (config.json + one or more *.safetensors) -> (family, config, params)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no config.json in the Hugging Face folder")
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    name = family_name or hf.get("model_type")
+    fam = family(name)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    tensors: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
+    cfg = fam.config_from_hf(hf)
+    try:
+        return name, cfg, fam.from_hf(cfg, tensors)
+    except KeyError as e:
+        raise ValueError(f"{folder}: {e.args[0]}") from None

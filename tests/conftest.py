@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import torch
-from fmoe.stages import qwen3_moe
+import os
+
+# Triton picks interpreter or compiler when a kernel is defined: set the flag before anything
+# imports triton, so every kernel test in the session runs interpreted on the CPU. Training code
+# on CPU tensors never takes the Triton path (kernels dispatch to Triton on CUDA only).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from fmoe.stages import qwen3_moe  # noqa: E402
 
 
 def tiny_config(**overrides) -> qwen3_moe.Qwen3MoeConfig:

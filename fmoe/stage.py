@@ -211,7 +211,8 @@ def backward_weight(work: WeightGradWork) -> dict[str, Tensor]:
             raise StageError(
                 f"stage {stage.name!r}: a deferred weight GEMM used a tensor that is not one of its params"
             )
-        g = compute()
+        with torch.no_grad():  # taped activations still require grad; W builds no graph
+            g = compute()
         grads[name] = grads[name] + g if name in grads else g
     work.tape.entries.clear()
     return grads

@@ -1,0 +1,293 @@
+"""The training loop: a recipe in, a trained checkpoint out.
+
+    recipe -> model stages + seeded fp32 master params -> data loader -> optimizer
+    each step: cast params to the compute dtype, run the step (sequential runner, or the pipeline
+    interpreter / expert-parallel step when the recipe's sizes ask for them), one optimizer step
+    on the fp32 masters, log, checkpoint.
+
+Resuming is automatic: the latest checkpoint under ``checkpoint.dir`` restores params, optimizer
+state, step, data cursor and RNG, so N steps + resume + N steps equals 2N straight, bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fmoe import checkpoint, data, optim, runner
+from fmoe.hf import family as family_module
+from fmoe.recipe import Recipe, RecipeError
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
+
+
+@dataclass
+class TrainResult:
+    """losses: each step's loss (this run's steps only); params: final fp32 masters; step: steps done."""
+
+    losses: list[float] = field(default_factory=list)
+    params: dict[str, Tensor] = field(default_factory=dict)
+    step: int = 0
+    tokens_per_second: float = 0.0
+    wall_seconds: float = 0.0
+    checkpoint: str | None = None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("train.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def make_optimizer(
+    recipe: Recipe, params: dict[str, Tensor]
+) -> tuple[optim.GradientTransformation, Callable]:
+    """clip by global norm, then AdamW on the recipe's schedule; also returns the schedule (step -> lr)."""
+    o, steps = recipe.optim, recipe.train.steps
+    if o.schedule == "cosine":
+        lr = optim.warmup_cosine(o.lr, o.warmup, steps, final=o.min_lr)
+    else:
+        decay = max(1, int(steps * o.decay_fraction))
+        lr = optim.warmup_stable_decay(o.lr, o.warmup, steps, decay, final=o.min_lr)
+    tx = optim.chain(
+        optim.clip_by_global_norm(o.clip),
+        optim.adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, mask=optim.default_decay_mask(params)),
+    )
+    return tx, lr
+
+
+def flops_per_token(cfg) -> float:
+    """Model FLOPs per trained token: 6 x active params + causal attention (fwd+bwd, halved by the mask)."""
+    H, d = cfg.hidden_size, cfg.head_size
+    attn = H * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    active = cfg.vocab_size * H  # the LM head (the embedding lookup is free)
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            mlp = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts
+        else:
+            mlp = 3 * H * cfg.intermediate_size
+        active += attn + mlp
+    return 6.0 * active
+
+
+def attention_flops_per_token(cfg, seq: int) -> float:
+    """Causal attention score and value GEMMs, forward + backward (3x forward), per token."""
+    return 3 * 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_size * seq / 2
+
+
+def ensure_dataset(recipe: Recipe) -> Path:
+    """The recipe's dataset folder, built first from ``data.build_from`` if it is missing."""
+    path = Path(recipe.data.path)
+    if (path / "index.json").is_file():
+        return path
+    source = recipe.data.build_from
+    if not source:
+        raise RecipeError(
+            f"{recipe.path}: data.path {str(path)!r} holds no dataset and data.build_from is empty"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if source == "builtin":
+        text = path.with_name(path.name + "-corpus.txt")
+        if not text.is_file():
+            data.builtin_corpus(text, recipe.data.builtin_bytes)
+        source = str(text)
+    elif not Path(source).is_file():
+        raise RecipeError(f"{recipe.path}: data.build_from file {source!r} not found")
+    data.build([source], path, tokenizer=recipe.data.tokenizer, workers=min(2, os.cpu_count() or 1))
+    return path
+
+
+class MetricsLog:
+    """Metrics as JSON lines, and to TensorBoard when it is installed."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = open(folder / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(folder / "tensorboard"))
+        except Exception:  # tensorboard not installed
+            self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, int | float):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def train(
+    recipe: Recipe,
+    stop_after: int | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> TrainResult:
+    """Train ``recipe`` (resuming from its latest checkpoint), returning this run's losses.
+
+    stop_after: stop (with a checkpoint) after this many steps of this run - kill-and-resume tests.
+    """
+    t0 = time.perf_counter()
+    fam = family_module(recipe.model_family)
+    cfg = recipe.model
+    p = recipe.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if p.pp * p.dp * p.cp * p.ep != world:
+        raise RecipeError(
+            f"{recipe.path}: parallel.pp x dp x cp x ep = {p.pp} x {p.dp} x {p.cp} x {p.ep} = "
+            f"{p.pp * p.dp * p.cp * p.ep}, but the job has {world} processes (torchrun --nproc-per-node)"
+        )
+    if world > 1:
+        raise RecipeError(
+            f"{recipe.path}: this build of fmoe train runs on one process; parallel sizes other than 1 are not wired in yet"
+        )
+    device = pick_device(recipe.train.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.train.dtype]
+    torch.manual_seed(recipe.train.seed)
+
+    dataset = data.TokenDataset(ensure_dataset(recipe))
+    seq, global_batch = recipe.data.seq_len, recipe.train.global_batch
+    try:
+        data.check_vocab(dataset, cfg.vocab_size)
+        data.check_size(dataset, steps=recipe.train.steps, global_batch=global_batch, seq=seq)
+    except ValueError as e:
+        raise RecipeError(f"{recipe.path}: {e}") from None
+
+    model = fam.build(cfg)
+    params = model.init(seed=recipe.train.seed, dtype=torch.float32, device=device)
+    tx, lr_schedule = make_optimizer(recipe, params)
+    state = tx.init(params)
+    step, cursor = 0, 0
+    ckpt_dir = Path(recipe.checkpoint.dir)
+    latest = checkpoint.latest(ckpt_dir) if recipe.checkpoint.resume else None
+    if latest is not None:
+        loaded_params, opt_flat, trainer_state = checkpoint.load(latest, expected_keys=list(params))
+        params = {n: loaded_params[n].to(device=device, dtype=torch.float32) for n in params}
+        state = optim.state_from_flat(tx, opt_flat, params)
+        step = int(trainer_state["step"])
+        cursor = int(trainer_state["data_cursor"])
+        checkpoint.restore_rng(trainer_state["rng"])
+
+    result = TrainResult(step=step)
+    log = MetricsLog(Path(recipe.log.dir))
+    tokens_per_step = global_batch * seq
+    stream = data.batches(
+        dataset,
+        seq=seq,
+        global_batch=global_batch,
+        micro_batch=global_batch // recipe.train.microbatches,
+        seed=recipe.data.shuffle_seed,
+        cursor=cursor,
+    )
+    flops_per_step = tokens_per_step * (
+        flops_per_token(cfg) + attention_flops_per_token(cfg, recipe.data.seq_len)
+    )
+    peak = next(
+        (
+            v
+            for k, v in PEAK_BF16_TFLOPS.items()
+            if device.type == "cuda" and k in torch.cuda.get_device_name()
+        ),
+        None,
+    )
+    last_steps = recipe.train.steps if stop_after is None else min(recipe.train.steps, step + stop_after)
+    progress = _progress(recipe, step, last_steps)
+    pending: list[tuple[int, Tensor]] = []
+    window_t, window_steps = time.perf_counter(), 0
+
+    def save(at: int) -> str:
+        trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng()}
+        path = checkpoint.save(
+            ckpt_dir, at, params, optim.state_to_flat(state), trainer_state, keep=recipe.checkpoint.keep
+        )
+        return str(path)
+
+    try:
+        while step < last_steps:
+            tokens, labels, cursor = next(stream)
+            batch = {"tokens": tokens.flatten(0, 1).to(device), "labels": labels.flatten(0, 1).to(device)}
+            compute = params if dtype == torch.float32 else {n: t.to(dtype) for n, t in params.items()}
+            out = runner.run_sequential(
+                model, compute, batch, recipe.train.microbatches, seed=recipe.train.seed + step
+            )
+            grads = out.grads if dtype == torch.float32 else {n: g.float() for n, g in out.grads.items()}
+            params, state = optim.step(tx, grads, state, params)
+            step += 1
+            window_steps += 1
+            pending.append((step, out.loss.detach()))
+            if step % recipe.log.every == 0 or step == last_steps:
+                losses = torch.stack([loss for _, loss in pending]).tolist()  # one host sync per log interval
+                for (s, _), value in zip(pending, losses):
+                    result.losses.append(value)
+                    if on_step is not None:
+                        on_step(s, value)
+                    if not math.isfinite(value):
+                        raise FloatingPointError(
+                            f"step {s}: loss is {value}; stopping before it reaches a checkpoint"
+                        )
+                pending.clear()
+                elapsed = time.perf_counter() - window_t
+                tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
+                record = {
+                    "step": step,
+                    "loss": losses[-1],
+                    "lr": lr_schedule(step - 1),
+                    "grad_norm": float(state["grad_norm"]) if "grad_norm" in state else None,
+                    "tokens_per_s": tps,
+                }
+                if peak:
+                    record["mfu"] = flops_per_step * window_steps / max(elapsed, 1e-9) / (peak * 1e12)
+                log.write(record)
+                progress.update(step, losses[-1], tps, record.get("mfu"))
+                result.tokens_per_second = tps
+                window_t, window_steps = time.perf_counter(), 0
+            if step % recipe.checkpoint.every == 0 or step == last_steps:
+                result.checkpoint = save(step)
+    finally:
+        progress.close()
+        log.close()
+    result.params, result.step = params, step
+    result.wall_seconds = time.perf_counter() - t0
+    return result
+
+
+class _progress:
+    """A tqdm bar with step, loss, tokens/s and ETA (MFU on GPU); silent when log.progress is off."""
+
+    def __init__(self, recipe: Recipe, start: int, total: int):
+        self.bar = None
+        if recipe.log.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        self.last = start
+
+    def update(self, step: int, loss: float, tps: float, mfu: float | None) -> None:
+        if self.bar is None:
+            return
+        post = {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}"}
+        if mfu is not None:
+            post["mfu"] = f"{100 * mfu:.1f}%"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(step - self.last)
+        self.last = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -79,6 +79,14 @@ def bench_stage(stage, params, inputs, device, iters):
                 samples[name].append(ms)
     timings = {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
+    def run_fbw():
+        run_f()
+        run_b()
+        run_w()
+
+    # F, B and W back to back in one timed region, as autograd's forward+backward is timed
+    timings["FBW"] = time_ms(run_fbw, warmup=2, iters=iters, device=device)
+
     leaf_params = {n: params[n].detach().requires_grad_() for n in stage.params}
 
     def run_autograd():
@@ -96,6 +104,48 @@ def bench_stage(stage, params, inputs, device, iters):
 
     timings["autograd"] = time_ms(run_autograd, warmup=2, iters=iters, device=device)
     return timings
+
+
+def bench_layer(cases, params, device, iters) -> dict:
+    """The whole layer in one timed region: F of all five stages, B last to first, then W;
+    against autograd forward through the five stage functions and one backward."""
+    stages = [s for s, _ in cases]
+    first_inputs = cases[0][1]
+    batch_fields = {"positions": first_inputs[1]}
+    ctx = StageContext()
+    h0 = first_inputs[0]
+    g_out = torch.randn_like(h0)
+
+    def ours():
+        carry, fwds = (h0,), []
+        for stage in stages:
+            outputs, fwd = S.forward(stage, params, runner.stage_inputs(stage, carry, batch_fields), ctx)
+            carry, _ = runner.split_outputs(stage, outputs)
+            fwds.append(fwd)
+        grad, works = (g_out,), []
+        for fwd in reversed(fwds):
+            grad_in, work = S.backward_input(fwd, grad)
+            grad = grad_in[: len(grad_in) - len(fwd.stage.batch_inputs)]
+            works.append(work)
+        for work in works:
+            S.backward_weight(work)
+
+    leaves = {n: params[n].detach().requires_grad_() for s in stages for n in s.params}
+
+    def plain():
+        h = h0.detach().requires_grad_()
+        carry, terms = (h,), []
+        for stage in stages:
+            outputs = S.call(stage, leaves, runner.stage_inputs(stage, carry, batch_fields), ctx)
+            carry, t = runner.split_outputs(stage, outputs)
+            terms += t
+        torch.autograd.backward([carry[0], *terms], [g_out, *[torch.ones_like(t) for t in terms]])
+        for p in leaves.values():
+            p.grad = None
+
+    t_ours = time_ms(ours, warmup=2, iters=iters, device=device)
+    t_plain = time_ms(plain, warmup=2, iters=iters, device=device)
+    return {"layer_FBW": t_ours, "layer_autograd": t_plain, "ratio": t_ours / t_plain}
 
 
 def main(argv=None) -> dict:
@@ -116,8 +166,9 @@ def main(argv=None) -> dict:
         cases = layer_inputs(model, params, seq, args.device, dtype)
     for stage, inputs in cases:
         rows[stage.name.split(".")[-1]] = bench_stage(stage, params, inputs, args.device, args.iters)
-    layer = {k: sum(r[k] for r in rows.values()) for k in ("F", "B", "W", "autograd")}
-    layer["ratio"] = (layer["F"] + layer["B"] + layer["W"]) / layer["autograd"]
+    layer = {k: sum(r[k] for r in rows.values()) for k in ("F", "B", "W", "FBW", "autograd")}
+    layer["ratio_sum_of_stages"] = layer["FBW"] / layer["autograd"]
+    layer.update(bench_layer(cases, params, args.device, args.iters))
     result = {
         "benchmark": "stage F/B/W vs autograd, one Qwen3-30B-A3B-shaped MoE layer",
         "shape": {

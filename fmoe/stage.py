@@ -58,6 +58,7 @@ class Forwarded:
     input_leaves: tuple[Tensor | None, ...]
     param_leaves: dict[str, Tensor]  # global name -> leaf
     custom_saved: Any = None
+    tape: WeightGradTape | None = None
 
 
 @dataclass
@@ -138,9 +139,10 @@ def forward(
     )
     leaf_inputs = tuple(leaf if leaf is not None else t for leaf, t in zip(input_leaves, inputs))
     local = _StageParams(stage, {stage.local_name(n): t for n, t in param_leaves.items()})
-    with torch.enable_grad():
+    tape = WeightGradTape()
+    with torch.enable_grad(), defer_weight_grads(tape):
         outputs = _check_outputs(stage, stage.forward(local, leaf_inputs, ctx))
-    fwd = Forwarded(stage, ctx, outputs, input_leaves, param_leaves)
+    fwd = Forwarded(stage, ctx, outputs, input_leaves, param_leaves, tape=tape)
     return tuple(o.detach() for o in outputs), fwd
 
 
@@ -181,11 +183,10 @@ def backward_input(
             gouts.append(g)
     inputs = [leaf for leaf in fwd.input_leaves if leaf is not None]
     params = [leaf for leaf in fwd.param_leaves.values() if leaf.requires_grad]
-    work = WeightGradWork(stage, names={id(leaf): n for n, leaf in fwd.param_leaves.items()})
+    work = WeightGradWork(stage, tape=fwd.tape, names={id(leaf): n for n, leaf in fwd.param_leaves.items()})
     grads: Sequence[Tensor | None] = [None] * (len(inputs) + len(params))
     if outs and (inputs or params):
-        with defer_weight_grads(work.tape):
-            grads = torch.autograd.grad(outs, inputs + params, gouts, allow_unused=True)
+        grads = torch.autograd.grad(outs, inputs + params, gouts, allow_unused=True)
     it = iter(grads[: len(inputs)])
     grad_inputs = tuple(None if leaf is None else next(it) for leaf in fwd.input_leaves)
     for name, g in zip(
@@ -194,7 +195,7 @@ def backward_input(
         if g is not None:
             work.partial[name] = g
     # the graph is gone; free the leaves' references early
-    fwd.outputs, fwd.input_leaves = (), ()
+    fwd.outputs, fwd.input_leaves, fwd.tape = (), (), None
     return grad_inputs, work
 
 

@@ -2,11 +2,12 @@
 
 A stage author writes ``linear(x, w)`` and ``grouped_linear(x, w, offs)`` instead of ``x @ w.T``. Under
 plain autograd they behave exactly like the matmul. When fmoe's stage machinery runs a stage's input
-backward (B) inside :func:`defer_weight_grads`, their backward computes only the input gradient and
-records the ``(x, dy)`` pair of the weight GEMM on the tape; the weight-gradient step (W) later runs
+forward (F) inside :func:`defer_weight_grads`, their backward (B) computes only the input gradient
+and records the ``(x, dy)`` pair of the weight GEMM on that call's tape; the weight-gradient step (W) later runs
 those GEMMs. B + W thus do the work of one ordinary backward, no more.
 
-The tape is scoped: it exists only while the machinery's B step runs, and is handed to W as a value.
+The tape is scoped: each F call makes its own, the primitives bind to it when they run forward (so
+the backward finds it on whatever thread autograd runs it), and B hands it to W as a value.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ _ACTIVE_TAPE: contextvars.ContextVar[WeightGradTape | None] = contextvars.Contex
 
 
 def active_tape() -> WeightGradTape | None:
-    """The tape of the B step running now, or None under plain autograd."""
+    """The tape of the F step running now, or None under plain autograd."""
     return _ACTIVE_TAPE.get()
 
 
 @contextlib.contextmanager
 def defer_weight_grads(tape: WeightGradTape) -> Iterator[WeightGradTape]:
-    """While active, ``linear``/``grouped_linear`` backward record weight GEMMs on ``tape``."""
+    """Primitives run forward while active record their weight GEMMs on ``tape`` in backward."""
     token = _ACTIVE_TAPE.set(tape)
     try:
         yield tape
@@ -105,6 +106,8 @@ class _Linear(torch.autograd.Function):
         x, w = inputs
         ctx.save_for_backward(x, w)
         ctx.weight = w  # the caller's tensor itself, so the tape can name it
+        # read the tape here, in the forward's thread: CUDA backward runs on autograd's own threads
+        ctx.tape = _ACTIVE_TAPE.get()
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -113,7 +116,7 @@ class _Linear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return dx, None
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        tape = _ACTIVE_TAPE.get()
+        tape = ctx.tape
         if tape is not None:
             tape.record(ctx.weight, lambda: dy2.t() @ x2)
             return dx, None
@@ -130,6 +133,7 @@ class _GroupedLinear(torch.autograd.Function):
         x, w, offs = inputs
         ctx.save_for_backward(x, w, offs)
         ctx.weight = w
+        ctx.tape = _ACTIVE_TAPE.get()
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -138,7 +142,7 @@ class _GroupedLinear(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return dx, None, None
         num_groups = w.shape[0]
-        tape = _ACTIVE_TAPE.get()
+        tape = ctx.tape
         if tape is not None:
             tape.record(ctx.weight, lambda: grouped_mm_weight_grad(x, dy, offs, num_groups))
             return dx, None, None

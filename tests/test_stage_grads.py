@@ -140,3 +140,20 @@ def test_b_plus_w_run_the_gemms_of_one_backward_and_no_forward():
     with CountMatmuls() as plain:
         total.backward()
     assert ours.count == plain.count > 0
+
+
+def test_weight_gemms_are_deferred_when_backward_runs_on_another_thread():
+    """CUDA's autograd runs backward on its own device threads; the tape must not depend on the
+    calling thread (it is bound at F time)."""
+    import threading
+
+    cfg = tiny_config(num_hidden_layers=1)
+    params, cases = stage_cases(cfg, random_batch(cfg, 2, 4))
+    stage, inputs = next((s, i) for s, i in cases if s.name.endswith(".mlp"))
+    outputs, fwd = S.forward(stage, params, inputs, StageContext())
+    result = {}
+    grads_out = [torch.ones_like(o) if o.is_floating_point() else None for o in outputs]
+    thread = threading.Thread(target=lambda: result.setdefault("work", S.backward_input(fwd, grads_out)[1]))
+    thread.start()
+    thread.join()
+    assert result["work"].partial == {} and len(result["work"].tape.entries) == 2

@@ -1,0 +1,149 @@
+"""Claims about fmoe.checkpoint: atomic, complete, exact round trips; crashes and corruption are harmless and named."""
+
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fmoe import checkpoint, optim
+
+
+def _params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(11, 4, generator=g),
+        "layers.0.mlp.w1": torch.randn(4, 6, generator=g).to(torch.bfloat16),
+        "layers.0.mlp.w2": torch.randn(6, 4, generator=g).t(),  # non-contiguous
+        "layers.0.norm.scale": torch.ones(4),
+    }
+
+
+def _opt_flat(params):
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+    fp32 = {n: p.float().contiguous() for n, p in params.items()}
+    state = tx.init(fp32)
+    grads = {n: torch.ones_like(p) for n, p in fp32.items()}
+    _, state = optim.step(tx, grads, state, fp32)
+    return optim.state_to_flat(state)
+
+
+def test_save_load_round_trips_params_optimizer_state_and_trainer_state(tmp_path):
+    params, flat = _params(), _opt_flat(_params())
+    path = checkpoint.save(tmp_path, 7, params, flat, {"data_cursor": 123, "note": "x"}, keep=2)
+    assert path.name == "step_00000007" and checkpoint.latest(tmp_path) == path
+    got, got_flat, trainer = checkpoint.load(path, expected_keys=params, expected_optim_keys=flat)
+    for n, p in params.items():
+        assert got[n].dtype == p.dtype and got[n].is_contiguous() and torch.equal(got[n], p)
+    for k, v in flat.items():
+        assert torch.equal(got_flat[k], v)
+    assert trainer == {"data_cursor": 123, "note": "x", "step": 7}
+
+
+def test_only_the_newest_keep_checkpoints_remain(tmp_path):
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, step, _params(step), {}, {}, keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_crash_inside_the_writer_keeps_the_previous_checkpoint_and_removes_the_partial_folder(
+    tmp_path, monkeypatch
+):
+    first = checkpoint.save(tmp_path, 1, _params(1), {}, {"data_cursor": 1})
+    real = checkpoint._write_tensors
+    calls = []
+
+    def crashing(path, tensors, metadata):
+        calls.append(path)
+        if len(calls) == 2:  # model.safetensors is written, optim.safetensors fails midway
+            path.write_bytes(b"partial")
+            raise OSError("disk full")
+        real(path, tensors, metadata)
+
+    monkeypatch.setattr(checkpoint, "_write_tensors", crashing)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="step_00000002.*disk full") as err:
+        checkpoint.save(tmp_path, 2, _params(2), {}, {"data_cursor": 2})
+    assert isinstance(err.value.__cause__, OSError)
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp folder left behind
+    assert checkpoint.latest(tmp_path) == first
+    params, _, trainer = checkpoint.load(first)
+    assert torch.equal(params["embed.weight"], _params(1)["embed.weight"]) and trainer["data_cursor"] == 1
+
+
+def test_crash_while_replacing_a_step_keeps_the_old_copy(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, 5, _params(1), {}, {"v": "old"})
+    real_rename = os.rename
+
+    def rename(src, dst):  # the old copy is moved aside, then moving the new one in fails
+        if Path(src).name.startswith(".tmp-step_"):
+            raise OSError("rename failed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    with pytest.raises(checkpoint.CheckpointWriteError, match="rename failed"):
+        checkpoint.save(tmp_path, 5, _params(2), {}, {"v": "new"})
+    monkeypatch.undo()
+    assert checkpoint.load(checkpoint.latest(tmp_path))[2]["v"] == "old"
+    checkpoint.save(tmp_path, 5, _params(2), {}, {"v": "new"})  # replacing a step works
+    assert checkpoint.load(checkpoint.latest(tmp_path))[2]["v"] == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000005"]
+
+
+def test_latest_ignores_temp_and_incomplete_folders(tmp_path):
+    assert checkpoint.latest(tmp_path / "none") is None
+    good = checkpoint.save(tmp_path, 3, _params(), {}, {})
+    (tmp_path / ".tmp-step_00000009-1-abc").mkdir()
+    (tmp_path / "step_00000010").mkdir()  # no files: not a checkpoint
+    assert checkpoint.latest(tmp_path) == good
+
+
+def test_truncated_safetensors_file_is_a_one_line_error_naming_it(tmp_path):
+    path = checkpoint.save(tmp_path, 1, _params(), {}, {})
+    model = path / checkpoint.MODEL
+    model.write_bytes(model.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="model.safetensors") as err:
+        checkpoint.load(path)
+    assert "\n" not in str(err.value)
+    path = checkpoint.save(tmp_path, 2, _params(), {}, {})
+    (path / checkpoint.TRAINER).write_text("{")
+    with pytest.raises(ValueError, match="trainer.json"):
+        checkpoint.load(path)
+    (path / checkpoint.OPTIM).unlink()
+    with pytest.raises(FileNotFoundError, match="optim.safetensors"):
+        checkpoint.load(path)
+
+
+def test_missing_expected_keys_are_named(tmp_path):
+    path = checkpoint.save(tmp_path, 1, _params(), {}, {})
+    want = set(_params()) | {"head.weight"}
+    with pytest.raises(ValueError, match="model.safetensors.*1 missing.*head.weight"):
+        checkpoint.load(path, expected_keys=want)
+
+
+def test_tied_weights_are_saved(tmp_path):
+    w = torch.randn(5, 3)
+    path = checkpoint.save(tmp_path, 1, {"embed.weight": w, "head.weight": w}, {}, {})
+    got, _, _ = checkpoint.load(path)
+    assert torch.equal(got["embed.weight"], w) and torch.equal(got["head.weight"], w)
+
+
+def test_bad_trainer_state_is_refused_before_writing_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match="'cursor'"):
+        checkpoint.save(tmp_path, 1, _params(), {}, {"cursor": object()})
+    assert checkpoint.latest(tmp_path) is None and list(tmp_path.iterdir()) == []
+
+
+def test_rng_states_survive_a_json_round_trip(tmp_path):
+    torch.manual_seed(3), np.random.seed(3), random.seed(3)
+    state = json.loads(json.dumps(checkpoint.capture_rng()))
+    want = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    checkpoint.restore_rng(state)
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+    with pytest.raises(ValueError, match="numpy"):
+        checkpoint.restore_rng({**state, "numpy": {"kind": "MT19937"}})

@@ -1,0 +1,255 @@
+"""Claims about fmoe.optim: it is torch's AdamW (fused kernel), composable, syncless, checkpointable."""
+
+import json
+import math
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from fmoe import optim
+
+STEPS = 10
+
+
+def _params(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(17, 8, generator=g),
+        "layers.0.attn.wq": torch.randn(8, 8, generator=g),
+        "layers.0.norm.scale": torch.randn(8, generator=g),
+        "head.bias": torch.randn(17, generator=g),
+    }
+
+
+def _grads(step: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {n: 3.0 * torch.randn(p.shape, generator=g) for n, p in like.items()}
+
+
+def _torch_reference(peak, sched, max_norm, wd, mask):
+    """torch.optim.AdamW + clip_grad_norm_ + LambdaLR over STEPS steps; returns params, optimizer."""
+    ref = {n: p.clone().requires_grad_(True) for n, p in _params().items()}
+    groups = [
+        {"params": [p for n, p in ref.items() if mask[n]], "weight_decay": wd},
+        {"params": [p for n, p in ref.items() if not mask[n]], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    lam = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: sched(s) / peak)
+    norms = []
+    for s in range(STEPS):
+        for n, g in _grads(s, ref).items():
+            ref[n].grad = g
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(ref.values()), max_norm)))
+        opt.step()
+        lam.step()
+    return ref, opt, norms
+
+
+@pytest.mark.parametrize("route", ["step", "update_then_apply"])
+def test_adamw_with_clip_and_schedule_matches_torch_adamw_over_10_steps(route):
+    peak, max_norm, wd = 3e-2, 1.0, 0.1
+    sched = optim.warmup_cosine(peak, warmup=3, total=STEPS, final=3e-3)
+    params = _params()
+    mask = optim.default_decay_mask(params)
+    ref, opt, ref_norms = _torch_reference(peak, sched, max_norm, wd, mask)
+
+    tx = optim.chain(
+        optim.clip_by_global_norm(max_norm), optim.adamw(sched, b1=0.9, b2=0.95, weight_decay=wd, mask=mask)
+    )
+    state = tx.init(params)
+    for s in range(STEPS):
+        if route == "step":
+            params, state = optim.step(tx, _grads(s, params), state, params)
+        else:
+            updates, state = tx.update(_grads(s, params), state, params)
+            params = optim.apply_updates(params, updates, inplace=False)
+        assert math.isclose(float(state["grad_norm"]), ref_norms[s], rel_tol=1e-5)
+    assert max(ref_norms) > max_norm  # clipping was active, so the test covers it
+
+    assert int(state["step"]) == STEPS
+    by_tensor = {id(p): n for n, p in ref.items()}
+    for p, st in opt.state.items():
+        name = by_tensor[id(p)]
+        torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(state[f"exp_avg/{name}"], st["exp_avg"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(state[f"exp_avg_sq/{name}"], st["exp_avg_sq"], rtol=0, atol=1e-6)
+
+
+def test_adamw_mask_false_params_get_no_weight_decay():
+    params = {"w": torch.ones(4, 4), "b": torch.ones(4)}
+    zero = {n: torch.zeros_like(p) for n, p in params.items()}
+    for mask in ({"w": True, "b": False}, lambda name: name == "w"):
+        p = {n: t.clone() for n, t in params.items()}
+        tx = optim.adamw(0.1, weight_decay=0.5, mask=mask)
+        state = tx.init(p)
+        p, state = optim.step(tx, zero, state, p)
+        # zero gradients: Adam's term is 0, so only the decoupled decay p *= 1 - lr * wd moves p
+        torch.testing.assert_close(p["w"], torch.full((4, 4), 1 - 0.1 * 0.5))
+        torch.testing.assert_close(p["b"], torch.ones(4))
+
+
+def test_adamw_dict_mask_missing_a_parameter_is_refused_at_init():
+    with pytest.raises(ValueError, match="'b'"):
+        optim.adamw(0.1, mask={"w": True}).init({"w": torch.ones(2), "b": torch.ones(2)})
+
+
+def test_chain_composes_members_in_order():
+    params = _params()
+    grads = _grads(0, params)
+    clip, adam = optim.clip_by_global_norm(0.5), optim.adamw(1e-2)
+    tx = optim.chain(clip, adam)
+    state = tx.init(params)
+    assert set(state) == {"grad_norm", "step"} | {f"exp_avg{k}/{n}" for n in params for k in ("", "_sq")}
+
+    got, state = tx.update({n: g.clone() for n, g in grads.items()}, state, params)
+
+    s1, s2 = clip.init(params), adam.init(params)
+    clipped, s1 = clip.update({n: g.clone() for n, g in grads.items()}, s1, params)
+    want, s2 = adam.update(clipped, s2, params)
+    for n in params:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+        torch.testing.assert_close(state[f"exp_avg/{n}"], s2[f"exp_avg/{n}"], rtol=0, atol=0)
+    torch.testing.assert_close(state["grad_norm"], s1["grad_norm"])
+    assert float(state["grad_norm"]) > 0.5  # the clip scaled the updates
+
+
+def test_chain_refuses_two_members_keeping_the_same_state_key():
+    tx = optim.chain(optim.adamw(1e-3), optim.adamw(1e-3))
+    with pytest.raises(ValueError, match="step"):
+        tx.init({"w": torch.ones(2)})
+
+
+def test_update_never_modifies_params():
+    params = _params()
+    before = {n: p.clone() for n, p in params.items()}
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2, weight_decay=0.1))
+    state = tx.init(params)
+    tx.update(_grads(0, params), state, params)
+    for n in params:
+        assert torch.equal(params[n], before[n])
+
+
+def test_step_makes_no_host_sync(monkeypatch):
+    """The step loop never pulls a value to the host: .item(), bool(), float(), int(), tolist() all raise."""
+
+    def sync(*args, **kwargs):
+        raise AssertionError("host sync")
+
+    params = _params()
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_stable_decay(1e-2, 2, 10, 4)))
+    state = tx.init(params)
+    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    for s in range(3):
+        params, state = optim.step(tx, _grads(s, params), state, params)
+    monkeypatch.undo()
+    assert int(state["step"]) == 3
+
+
+def test_inputs_that_require_grad_build_no_graph():
+    params = {n: p.requires_grad_(True) for n, p in _params().items()}
+    grads = {n: g.requires_grad_(True) * 1.0 for n, g in _grads(0, params).items()}
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 2, 10)))
+    state = tx.init(params)
+    updates, _ = tx.update({n: g.clone() for n, g in grads.items()}, dict(state), params)
+    params, state = optim.step(tx, grads, state, params)
+    assert not any(t.grad_fn is not None for t in (*updates.values(), *state.values(), *params.values()))
+    assert not state["grad_norm"].requires_grad
+
+
+def test_tensor_lr_schedule_gives_the_same_step_as_a_float_lr():
+    lr = 0.02
+    a, b = _params(), _params()
+    tx_a, tx_b = optim.adamw(lr), optim.adamw(lambda s: torch.full_like(s, lr))
+    sa, sb = tx_a.init(a), tx_b.init(b)
+    for s in range(3):
+        a, sa = optim.step(tx_a, _grads(s, a), sa, a)
+        b, sb = optim.step(tx_b, _grads(s, b), sb, b)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "sched",
+    [
+        optim.warmup_cosine(1.0, warmup=4, total=20, final=0.1),
+        optim.warmup_stable_decay(1.0, warmup=4, total=20, decay=6, final=0.1, shape="linear"),
+        optim.warmup_stable_decay(1.0, warmup=4, total=20, decay=6, final=0.1, shape="sqrt"),
+        optim.warmup_stable_decay(1.0, warmup=4, total=20, decay=6, final=0.1, shape="cosine"),
+    ],
+)
+def test_schedules_agree_on_ints_and_tensors_and_hit_their_endpoints(sched):
+    for s in range(25):
+        assert math.isclose(float(sched(torch.tensor(float(s)))), sched(s), rel_tol=1e-6, abs_tol=1e-7)
+    assert sched(0) == pytest.approx(0.25)  # (0 + 1) / warmup of peak
+    assert sched(3) == pytest.approx(1.0)  # warmup done
+    assert sched(20) == pytest.approx(0.1) and sched(100) == pytest.approx(0.1)
+
+
+def test_warmup_stable_decay_is_flat_until_the_decay_phase():
+    sched = optim.warmup_stable_decay(2.0, warmup=2, total=100, decay=10)
+    assert all(sched(s) == 2.0 for s in range(2, 91))
+    assert sched(95) == pytest.approx(1.0)
+
+
+def test_bad_hyperparameters_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="b2"):
+        optim.adamw(1e-3, b2=1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        optim.clip_by_global_norm(0.0)
+    with pytest.raises(ValueError, match="total"):
+        optim.warmup_cosine(1e-3, warmup=10, total=5)
+    with pytest.raises(ValueError, match="decay"):
+        optim.warmup_stable_decay(1e-3, warmup=2, total=10, decay=20)
+
+
+def test_state_round_trips_through_flat_keyed_by_parameter_names(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    params = _params()
+    tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-2))
+    state = tx.init(params)
+    params, state = optim.step(tx, _grads(0, params), state, params)
+    flat = optim.state_to_flat(state)
+    assert "exp_avg_sq/layers.0.attn.wq" in flat and "step" in flat
+    save_file(flat, tmp_path / "optim.safetensors")
+    back = optim.state_from_flat(tx, load_file(tmp_path / "optim.safetensors"), params)
+
+    p1, s1 = optim.step(tx, _grads(1, params), state, {n: p.clone() for n, p in params.items()})
+    p2, s2 = optim.step(tx, _grads(1, params), back, {n: p.clone() for n, p in params.items()})
+    for n in params:
+        assert torch.equal(p1[n], p2[n])
+
+    broken = dict(flat)
+    del broken["exp_avg/head.bias"]
+    with pytest.raises(ValueError, match="exp_avg/head.bias"):
+        optim.state_from_flat(tx, broken, params)
+
+
+def test_grads_with_a_missing_parameter_are_refused_naming_it():
+    params = _params()
+    tx = optim.adamw(1e-3)
+    state = tx.init(params)
+    grads = _grads(0, params)
+    del grads["head.bias"]
+    with pytest.raises(ValueError, match="head.bias"):
+        optim.step(tx, grads, state, params)
+
+
+def test_bench_optim_runs_on_cpu_and_writes_json(tmp_path):
+    bench = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks" / "bench_optim.py"))
+    out = tmp_path / "bench.json"
+    assert (
+        bench["main"](
+            ["--out", str(out), "--device", "cpu", "--tensors", "4", "--numel", "4096", "--iters", "2"]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["params"] == 4 * 4096
+    cases = result["ms_per_step"]
+    for case in ("torch_adamw_fused", "torch_adamw_foreach", "fmoe_adamw_step", "fmoe_clip_adamw_step"):
+        assert cases[case] > 0
+    assert result["ratio_vs_torch_fused"]["fmoe_adamw_step"] > 0

@@ -1,0 +1,25 @@
+"""The GPU benchmarks also run on CPU at a tiny size, so they cannot rot."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_stages, train_throughput
+
+
+def test_stage_benchmark_runs_on_cpu(tmp_path):
+    out = tmp_path / "stages.json"
+    result = bench_stages.main(["--device", "cpu", "--tiny", "--iters", "1", "--out", str(out)])
+    assert set(result["ms_per_stage"]) == {"attn", "dispatch", "mlp", "combine", "aggregate"}
+    assert result["layer_ms"]["ratio"] > 0
+    assert json.loads(out.read_text())["environment"]["torch"]
+
+
+def test_throughput_benchmark_runs_on_cpu_for_fmoe_and_the_eager_baseline(tmp_path):
+    out = tmp_path / "throughput.json"
+    result = train_throughput.main(
+        ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    )
+    for side in ("eager", "fmoe"):
+        assert result["results"][side]["model_tflops"] > 0
+    assert result["results"]["fmoe_over_eager"] > 0

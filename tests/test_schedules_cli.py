@@ -1,0 +1,71 @@
+"""`fmoe schedule show/check`: timelines, figures, files written, one-line errors."""
+
+from fmoe.schedules import generate, lower, read_csv, write_csv
+from fmoe.schedules.cli import main, parse_costs
+
+
+def test_show_prints_timeline_and_figures_and_writes_png_and_csv(tmp_path, capsys):
+    png, csv = tmp_path / "dpv.png", tmp_path / "dpv.csv"
+    argv = ["show", "dualpipev", "--pp", "4", "--microbatches", "10", "--costs", "f=1,b=1,w=1,fb=2"]
+    assert main([*argv, "--png", str(png), "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    timeline = [ln for ln in out.splitlines() if ln.startswith("rank ") and "|" in ln]
+    assert [ln.split("|")[0].strip() for ln in timeline] == ["rank 0", "rank 1", "rank 2", "rank 3"]
+    assert "F0" in timeline[0] and "f0" in timeline[0]  # chunk 1 in lower case
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["rank", "busy", "idle"])
+    idle = [float(ln.split()[2]) for ln in lines[head + 1 : head + 5]]
+    # the largest idle time is the published DualPipeV bubble (PP/2-1)(F&B+B-3W), PP = 8: 3 * (2+2-3)
+    assert max(idle) == 3
+    assert "makespan 52, mean bubble" in out and "max peak activations 9" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert read_csv(csv) == generate("dualpipev", 4, 10)
+
+
+def test_show_lowered_csv_and_check_it(tmp_path, capsys):
+    csv = tmp_path / "zbv.csv"
+    assert main(["show", "zbv", "--pp", "2", "--microbatches", "4", "--csv", str(csv), "--lowered"]) == 0
+    assert read_csv(csv) == lower(generate("zbv", 2, 4))
+    capsys.readouterr()
+    assert main(["check", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{csv}: valid") and "rank 1 |" in out
+
+
+def test_check_rejects_a_broken_table_naming_the_row(tmp_path, capsys):
+    text = write_csv(generate("1f1b", 2, 2)).replace("1,F,0,0\n1,BW,0,0\n", "1,BW,0,0\n1,F,0,0\n")
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("invalid: rank 1 row 0 (") and "line 7): BW(mb=0, chunk=0)" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, capsys):
+    cases = [
+        (["show", "dualpipev", "--pp", "4", "--microbatches", "4"], "needs microbatches >= 2 * pp"),
+        (["show", "nope", "--pp", "4", "--microbatches", "4"], "unknown schedule 'nope'"),
+        (["show", "1f1b", "--pp", "x", "--microbatches", "4"], "argument --pp: invalid int value: 'x'"),
+        (
+            ["show", "1f1b", "--pp", "2", "--microbatches", "4", "--costs", "f=a"],
+            "--costs: f='a' is not a number",
+        ),
+        (["check", str(tmp_path / "missing.csv")], "cannot read"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ]
+    for argv, message in cases:
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code != 0, argv
+        assert message in err and len(err.splitlines()) == 1, (argv, err)
+
+
+def test_help_returns_zero(capsys):
+    assert main(["show", "--help"]) == 0
+    assert "--microbatches" in capsys.readouterr().out
+
+
+def test_parse_costs_per_stage():
+    c = parse_costs("f=1/2, b=3, transfer=0.5")
+    assert (c.f, c.b, c.w, c.transfer) == ((1.0, 2.0), 3.0, 1.0, 0.5)

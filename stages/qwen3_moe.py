@@ -2,18 +2,29 @@
 
 Stages, with what flows between them (b batch, s sequence, T = b*s, k top-k, n = T*k):
   embed      (tokens)            -> (h [b,s,H])
-  per MoE layer l:
+  per MoE layer l, one expert-parallel rank (no "ep" group, dropless):
     attn       (h, positions)    -> (h1, x [T,H], ids [T,k], w [T,k])  + aux loss
     dispatch   (h1, x, ids, w)   -> (h1, x_perm [n,H], w, order [n], offs [E])
     mlp        (h1, x_perm, w, order, offs) -> (h1, y_perm [n,H], w, order)
     combine    (h1, y_perm, w, order)       -> (h1, y [T,k,H], w)
     aggregate  (h1, y, w)        -> (h [b,s,H])
+  per MoE layer with an "ep" group in the context (or a capacity factor), El = E / ep local experts:
+    dispatch   (h1, x, ids, w)   -> (h1, x_buf [n_kept,H], w, order [n], offs [El], back [m], splits)
+    mlp        (h1, x_buf, w, order, offs, back, splits) -> (h1, y_buf [n_kept,H], w, order, back, splits)
+    combine    (h1, y_buf, w, order, back, splits)       -> (h1, y [T,k,H], w)
+    x_buf holds this rank's experts' rows (UniEP order: expert, then source rank, then token); back
+    [m] int64 the buffer row of each slot returned to its source; splits [4, ep] int64 on the CPU
+    the exchange's split sizes (see fmoe.stages.moe for the layout). Dropped slots give y = 0.
   per dense layer (mlp_only_layers / decoder_sparse_step): attn (h, positions) -> (h1, x),
     mlp (h1, x) -> (h1, y), aggregate (h1, y) -> (h)
   head       (h, labels)         -> (loss,)
 ``h1`` is the residual after attention; ``x`` the post-attention-normed tokens the experts read.
 Parameter names are Hugging Face's (transformers' stacked-expert layout), so checkpoint conversion is
-a renaming plus splitting experts.
+a renaming plus splitting experts. Under expert parallelism rank r holds experts [r*El, (r+1)*El)
+of ``mlp.experts.*`` under the same names ([El, ...]; see fmoe.expert_parallel). With
+``moe_router_bias_update_rate > 0`` each MoE layer also has ``mlp.gate.e_score_correction_bias``
+[E] (DeepSeek-V3's name): a buffer, not trained, added to the router's scores for the top-k
+selection only; the trainer updates it with ``fmoe.stages.moe.update_router_bias``.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from fmoe.stages import layers
+from fmoe.stages import moe as moe_blocks
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Model, Params, Stage, StageContext
 from torch import Tensor
@@ -52,12 +64,15 @@ class Qwen3MoeConfig:
     router_aux_loss_coef: float = 0.001
     initializer_range: float = 0.02
     max_position_embeddings: int = 32768
+    # fmoe training settings (not Hugging Face config fields; hf_config leaves them out)
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing bias (DeepSeek-V3)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("head_dim", "mlp_only_layers") or isinstance(value, bool):
+            if f.name in ("head_dim", "mlp_only_layers", "moe_capacity_factor") or isinstance(value, bool):
                 continue
             if isinstance(value, int | float) and value < 0:
                 raise ValueError(f"Qwen3MoeConfig.{f.name} must be >= 0, got {value}")
@@ -80,6 +95,10 @@ class Qwen3MoeConfig:
                 f"Qwen3MoeConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                 f"num_experts ({self.num_experts})"
             )
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ValueError(
+                f"Qwen3MoeConfig.moe_capacity_factor must be > 0 or None, got {self.moe_capacity_factor}"
+            )
         if self.decoder_sparse_step < 1:
             raise ValueError(
                 f"Qwen3MoeConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
@@ -100,6 +119,14 @@ class Qwen3MoeConfig:
     @property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+
+# the aux-loss-free balancing bias of a MoE layer (a buffer: never trained, see the module docstring)
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
+
+
+def router_bias_name(layer: int) -> str:
+    return f"model.layers.{layer}.{ROUTER_BIAS}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,7 +167,14 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
     )
     if not moe:
         return h1, x
-    probs, w, ids = layers.top_k_router(x, p["mlp.gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if cfg.moe_router_bias_update_rate > 0:
+        probs, w, ids = moe_blocks.biased_top_k_router(
+            x, p["mlp.gate.weight"], p[ROUTER_BIAS], cfg.num_experts_per_tok, cfg.norm_topk_prob
+        )
+    else:
+        probs, w, ids = layers.top_k_router(
+            x, p["mlp.gate.weight"], cfg.num_experts_per_tok, cfg.norm_topk_prob
+        )
     outputs = (h1, x, ids, w)
     if cfg.router_aux_loss_coef:
         outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts),)
@@ -148,31 +182,54 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
 
 
 def dispatch(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """Group the T*k routing slots by expert (one expert-parallel rank: a local permutation).
+    """Group the T*k routing slots by expert; under expert parallelism, send them to their ranks.
 
-    (h1, x [T,H], ids [T,k], w [T,k]) -> (h1, x_perm [n,H], w, order [n] i64, offs [E] i32)
+    No ep group, dropless: (h1, x [T,H], ids [T,k], w [T,k]) -> (h1, x_perm [n,H], w, order [n] i64,
+    offs [E] i32), a local permutation. Otherwise -> (h1, x_buf [n_kept,H], w, order [n], offs [El],
+    back [m] i64, splits [4,ep] i64 CPU) (fmoe.stages.moe.ep_dispatch; one host sync).
     """
     h1, x, ids, w = inputs
-    order, offs = layers.expert_order(ids, cfg.num_experts)
-    return h1, layers.permute_rows(x, order, cfg.num_experts_per_tok), w, order, offs
+    group = ctx.group("ep")
+    if moe_blocks.group_size(group) == 1 and cfg.moe_capacity_factor is None:
+        order, counts = moe_blocks.expert_sort(ids.reshape(-1), cfg.num_experts)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return h1, layers.permute_rows(x, order, cfg.num_experts_per_tok), w, order, offs
+    x_buf, order, offs, back, splits = moe_blocks.ep_dispatch(
+        x, ids, cfg.num_experts, group, cfg.moe_capacity_factor
+    )
+    return h1, x_buf, w, order, offs, back, splits
 
 
 def mlp(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """MoE: (h1, x_perm [n,H], w, order, offs) -> (h1, y_perm [n,H], w, order); dense: (h1, x) -> (h1, y)."""
+    """MoE: (h1, x_perm [n,H], w, order, offs, *rest) -> (h1, y_perm [n,H], w, order, *rest), the
+    experts of this ep rank (rest: dispatch's back and splits under expert parallelism);
+    dense: (h1, x) -> (h1, y)."""
     if not moe:
         h1, x = inputs
         return h1, layers.dense_mlp(
             x, p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p["mlp.down_proj.weight"]
         )
-    h1, x_perm, w, order, offs = inputs
-    y = layers.expert_mlp(x_perm, p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"], offs)
-    return h1, y, w, order
+    h1, x_perm, w, order, offs, *rest = inputs
+    gate_up, down = p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"]
+    if gate_up.shape[0] != offs.shape[0] or down.shape[0] != offs.shape[0]:
+        raise ValueError(
+            f"mlp.experts.gate_up_proj / down_proj hold {gate_up.shape[0]} / {down.shape[0]} experts but "
+            f"dispatch grouped rows for {offs.shape[0]}: under expert parallelism pass each rank its "
+            "shard (fmoe.expert_parallel.shard_params)"
+        )
+    y = layers.expert_mlp(x_perm, gate_up, down, offs)
+    return (h1, y, w, order, *rest)
 
 
 def combine(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """Back to token order: (h1, y_perm [n,H], w, order) -> (h1, y [T,k,H], w)."""
-    h1, y_perm, w, order = inputs
-    return h1, layers.unpermute_rows(y_perm, order, cfg.num_experts_per_tok), w
+    """Back to token order: (h1, y_perm [n,H], w, order) -> (h1, y [T,k,H], w); under expert
+    parallelism (h1, y_buf, w, order, back, splits) -> the same, through the reverse exchange."""
+    if len(inputs) == 4:
+        h1, y_perm, w, order = inputs
+        return h1, layers.unpermute_rows(y_perm, order, cfg.num_experts_per_tok), w
+    h1, y_buf, w, order, back, splits = inputs
+    y = moe_blocks.ep_combine(y_buf, order, back, splits, cfg.num_experts_per_tok, ctx.group("ep"))
+    return h1, y, w
 
 
 def aggregate(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
@@ -218,6 +275,8 @@ def param_shapes(cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
         if cfg.is_moe_layer(i):
             E, I = cfg.num_experts, cfg.moe_intermediate_size
             shapes[pre + "mlp.gate.weight"] = (E, H)
+            if cfg.moe_router_bias_update_rate > 0:
+                shapes[pre + ROUTER_BIAS] = (E,)
             shapes[pre + "mlp.experts.gate_up_proj"] = (E, 2 * I, H)
             shapes[pre + "mlp.experts.down_proj"] = (E, H, I)
         else:
@@ -243,6 +302,9 @@ def init_params(
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.weight"):
             value = torch.ones(shape)
+        elif name.endswith(ROUTER_BIAS):  # balancing starts neutral; kept in float32 (a buffer)
+            params[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+            continue
         else:
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             value = torch.randn(shape, generator=gen) * cfg.initializer_range
@@ -261,7 +323,9 @@ def build(cfg: Qwen3MoeConfig) -> Model:
         moe = cfg.is_moe_layer(i)
         owned = [n for n in shapes if n.startswith(pre)]
         attn_params = tuple(
-            n for n in owned if "self_attn" in n or "layernorm" in n or n.endswith("mlp.gate.weight")
+            n
+            for n in owned
+            if "self_attn" in n or "layernorm" in n or n.endswith(("mlp.gate.weight", ROUTER_BIAS))
         )
         mlp_params = tuple(n for n in owned if n not in attn_params)
         losses = (aux_weight,) if moe and cfg.router_aux_loss_coef else ()
@@ -310,6 +374,7 @@ def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tenso
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 HF_MODEL_TYPE = "qwen3_moe"
+FMOE_ONLY_FIELDS = ("moe_capacity_factor", "moe_router_bias_update_rate")
 
 
 def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
@@ -317,6 +382,8 @@ def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     inter = cfg.moe_intermediate_size
     for name, t in params.items():
+        if name.endswith(ROUTER_BIAS):  # an fmoe training buffer; Qwen3-MoE on the hub has none
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):
             pre = name[: -len("gate_up_proj")]
             for e in range(t.shape[0]):
@@ -340,6 +407,8 @@ def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
     for name in param_shapes(cfg):
         if name in tensors:
             params[name] = tensors[name]
+        elif name.endswith(ROUTER_BIAS):  # not in Hugging Face checkpoints: start neutral
+            params[name] = torch.zeros(param_shapes(cfg)[name], dtype=torch.float32)
         elif name.endswith("mlp.experts.gate_up_proj"):
             pre = name[: -len("gate_up_proj")]
             params[name] = torch.stack(
@@ -371,7 +440,7 @@ def _need(tensors: Params, name: str) -> Tensor:
 
 def hf_config(cfg: Qwen3MoeConfig) -> dict:
     """config.json for transformers' Qwen3MoeForCausalLM."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in FMOE_ONLY_FIELDS}
     out["head_dim"] = cfg.head_size
     out["mlp_only_layers"] = list(cfg.mlp_only_layers)
     out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}

@@ -77,10 +77,12 @@ def gqa_attention(
     head_dim: int,
     rope_theta: float,
     eps: float,
+    cp_group=None,
 ) -> Tensor:
     """Grouped-query self-attention with optional per-head QK RMSNorm and rotary positions.
 
-    x: [b, s, H] (already normed), positions: [b, s] or [s] int64 -> [b, s, H].
+    x: [b, s, H] (already normed), positions: [b, s] or [s] int64 -> [b, s, H]. With a context-
+    parallel group, x holds this rank's share of the sequence and positions ([s]) say where it sits.
     """
     b, s, _ = x.shape
     q = linear(x, q_w).view(b, s, num_heads, head_dim)
@@ -91,7 +93,12 @@ def gqa_attention(
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = rotary_cos_sin(positions, head_dim, rope_theta, x.dtype)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    out = causal_attention(q, k, v, head_dim**-0.5)
+    if cp_group is None:
+        out = causal_attention(q, k, v, head_dim**-0.5)
+    else:
+        from fmoe.stages.context_parallel import causal_attention_cp
+
+        out = causal_attention_cp(q, k, v, positions, head_dim**-0.5, cp_group)
     return linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
 
 
@@ -110,16 +117,24 @@ def top_k_router(
     return probs, weights.to(x.dtype), ids
 
 
-def load_balancing_loss(probs: Tensor, ids: Tensor, num_experts: int) -> Tensor:
+def load_balancing_loss(probs: Tensor, ids: Tensor, num_experts: int, group=None) -> Tensor:
     """Switch-style aux loss of one layer: E * sum_e f_e * P_e, a scalar float32.
 
     f_e: share of the T*k routing slots that chose expert e (no gradient); P_e: mean router
-    probability of e. probs: [T, E] f32, ids: [T, k].
+    probability of e. probs: [T, E] f32, ids: [T, k]. With a (context-parallel) group, the
+    statistics are those of all the group's tokens, so every rank gets the whole sequence's loss.
     """
     counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
     counts.scatter_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=probs.dtype, device=probs.device))
-    f = counts / ids.shape[0]
-    return num_experts * (f * probs.mean(dim=0)).sum()
+    prob_sum, tokens = probs.sum(dim=0), ids.shape[0]
+    if group is not None:
+        import torch.distributed as dist
+        from fmoe.stages.context_parallel import all_reduce_sum
+
+        dist.all_reduce(counts, group=group)
+        prob_sum = all_reduce_sum(prob_sum, group)
+        tokens *= dist.get_world_size(group)
+    return num_experts * ((counts / tokens) * (prob_sum / tokens)).sum()
 
 
 def swiglu(gate_up: Tensor) -> Tensor:

@@ -1,0 +1,530 @@
+"""The schedule interpreter: run a schedule table's rows on the pipeline process group.
+
+    result = run_schedule(schedule, model, params, batch, group)   # on every pp rank
+    result.loss       # the step's loss, bitwise equal to run_sequential's, the same on all ranks
+    result.grads      # {global name: gradient} for the parameters this rank holds
+
+Each rank validates the table (an invalid one raises the validator's ScheduleError on every rank
+before any compute or communication), lowers it if it has no SEND/RECV rows, then runs its own rows
+in order. Nothing here knows one schedule from another: F, B, W, BW and FB run a chunk's model stages
+(``fmoe.pipeline``), SEND/RECV move the chunk's carry tuple, and per-(microbatch, chunk) state lives
+in dicts that each row pops from, so an activation is dropped as soon as its B (or its W) has run.
+
+Data between stages is the runner's: a chunk's input is the carry of the previous pipeline stage
+(the same rank's other chunk, or a RECV_F), each model stage gets its batch fields appended, and each
+stage's weighted loss outputs are kept per (microbatch, model stage). B seeds the loss outputs with
+``1 / microbatches``. At the end the loss terms of all ranks are summed into one [microbatches,
+terms] matrix (each slot is written by exactly one rank, so the sum is exact), and every rank forms
+each microbatch's loss with ``runner.sum_terms`` in stage order and the step loss with
+``runner.mean_loss``: the same float operations as the sequential runner.
+
+Transfers: a SEND posts a header (int64 [HEADER]: count, then dtype code, ndim, sizes per tensor; -1
+for a missing gradient) and then each tensor, asynchronously (``isend``; the handles are waited on
+later, which is never less safe than blocking sends the validator proved deadlock-free); a RECV
+reads the header, then the tensors. Integer tensors (expert ids, orders) travel like the others and
+get no gradient.
+
+FB runs the forward of one (microbatch, chunk) and the full backward of another stage by stage, in
+the order of a small table over the five layer stages (``FB_ORDER``, Pith-Train's by default): a
+token like "B5+1" runs, on the backward side, the next stages whose role (attn=1, dispatch=2, mlp=3,
+combine=4, aggregate=5; 0 for the embedding, head and unknown stages, which run with the token that
+reaches them) is in {5, 1}, at most one stage per role, so a cycle of the tokens walks one layer of
+each side; "B3i" runs an input-only B (its W waits for a "W3" token). On CPU the order runs
+sequentially; putting comm stages on a side CUDA stream is left for later.
+
+Failures: see ``fmoe.dist`` (a failure key in the group's store that blocked ranks poll).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fmoe import dist as D
+from fmoe import pipeline as P
+from fmoe import runner as R
+from fmoe import stage as S
+from fmoe.schedules import (
+    Action,
+    Schedule,
+    ScheduleError,
+    copy_of,
+    locate,
+    lower,
+    num_stages,
+    stage_of,
+    validate,
+)
+from fmoe.stages.spec import Model, StageContext
+
+HEADER = 64
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+)  # fmt: skip
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+ROLES = {"attn": 1, "dispatch": 2, "mlp": 3, "combine": 4, "aggregate": 5}
+FB_ORDER = "B5+1 | F4 | B4 | F5+1 | B3i | F2 | B2 | W3 | F3"
+
+
+@dataclass(frozen=True)
+class FBStep:
+    """One token of an FB order: side "F", "B" or "W"; the layer-stage roles it runs; for B, whether
+    only the input gradient runs now (the W waits for a later W token of that role)."""
+
+    side: str
+    roles: frozenset[int]
+    input_only: bool = False
+
+
+def parse_fb_order(text: str) -> tuple[FBStep, ...]:
+    """'B5+1 | F4 | B3i | W3 | ...' -> FBSteps. Every side must name every role 1..5 once per cycle."""
+    steps = []
+    for tok in (t.strip() for t in text.split("|")):
+        if not tok:
+            continue
+        side, rest = tok[0].upper(), tok[1:]
+        input_only = rest.endswith("i")
+        rest = rest.removesuffix("i")
+        try:
+            roles = frozenset(int(x) for x in rest.split("+"))
+        except ValueError:
+            raise ValueError(f"FB order token {tok!r}: expected like 'F4', 'B5+1' or 'B3i'") from None
+        if side not in "FBW" or not roles <= set(ROLES.values()) or (input_only and side != "B"):
+            raise ValueError(f"FB order token {tok!r}: side F/B/W, roles 1..5, 'i' only after B")
+        steps.append(FBStep(side, roles, input_only))
+    for side in "FB":
+        covered = sorted(r for s in steps if s.side == side for r in s.roles)
+        if covered != [1, 2, 3, 4, 5]:
+            raise ValueError(f"FB order {text!r}: side {side} must name each role 1..5 once, got {covered}")
+    deferred = {r for s in steps if s.input_only for r in s.roles}
+    named_w = {r for s in steps if s.side == "W" for r in s.roles}
+    if deferred - named_w:
+        raise ValueError(
+            f"FB order {text!r}: input-only B of roles {sorted(deferred - named_w)} has no W token"
+        )
+    return tuple(steps)
+
+
+def role(stage_name: str) -> int:
+    return ROLES.get(stage_name.rsplit(".", 1)[-1], 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# per-rank state and the two halves of a chunk's work
+
+
+class _Rank:
+    """Everything one rank keeps while it runs its rows."""
+
+    def __init__(self, schedule, model, params, batch, group, rank, seed, groups, timeout_s):
+        self.s, self.model, self.params, self.group, self.rank = schedule, model, params, group, rank
+        self.timeout_s = timeout_s
+        self.microbatches = R.split_microbatches(batch, schedule.microbatches)
+        self.ctxs = [
+            StageContext(microbatch=m, seed=seed, groups=groups) for m in range(schedule.microbatches)
+        ]
+        self.smap = P.schedule_stage_map(model, schedule)
+        self.S = num_stages(schedule)
+        self.scale = 1.0 / schedule.microbatches
+        slots, n = [], 0
+        for stage in model.stages:
+            slots.append(n)
+            n += len(stage.losses)
+        if n == 0:
+            raise S.StageError("the model has no loss outputs (Stage.losses); nothing to train")
+        self.slot, self.num_terms = slots, n
+        self.terms = torch.zeros(schedule.microbatches, n, dtype=torch.float32)
+        self.inbox_f: dict[tuple[int, int], tuple] = {}
+        self.inbox_b: dict[tuple[int, int], tuple] = {}
+        self.outbox_f: dict[tuple[int, int], tuple] = {}
+        self.outbox_b: dict[tuple[int, int], tuple] = {}
+        self.fwds: dict[tuple[int, int], list] = {}
+        self.works: dict[tuple[int, int], list] = {}
+        self.grads: dict[str, Tensor] = {}
+        self.pending: list = []  # (work, tensors kept alive) of posted sends
+
+    def neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
+        """(rank, chunk) of the pipeline stage ``step`` (+1 next, -1 previous) from ``chunk``'s."""
+        st = stage_of(self.s.placement, self.s.pp, self.rank, chunk)
+        if not 0 <= st + step < self.S:
+            return None
+        return locate(self.s.placement, self.s.pp, self.s.chunks, st + step, copy_of(self.s.placement, chunk))
+
+
+class _Forward:
+    """F of one (microbatch, chunk), one model stage per ``step``."""
+
+    def __init__(self, st: _Rank, mb: int, chunk: int):
+        self.st, self.mb, self.chunk = st, mb, chunk
+        self.todo = list(st.smap[(st.rank, chunk)])
+        prev = st.neighbour(chunk, -1)
+        if prev is None:
+            self.carry: tuple = ()
+        else:
+            key = (mb, chunk)
+            if key not in st.inbox_f:
+                raise ScheduleError(
+                    f"rank {st.rank}: F(mb={mb}, chunk={chunk}) has no input (no RECV_F or F before it)"
+                )
+            self.carry = st.inbox_f.pop(key)
+        self.fwds: list = []
+
+    def next_role(self) -> int | None:
+        return role(self.st.model.stages[self.todo[0]].name) if self.todo else None
+
+    def step(self) -> None:
+        st, i = self.st, self.todo.pop(0)
+        stage = st.model.stages[i]
+        inputs = R.stage_inputs(stage, self.carry, st.microbatches[self.mb])
+        outputs, fwd = S.forward(stage, st.params, inputs, st.ctxs[self.mb])
+        self.carry, terms = R.split_outputs(stage, outputs)
+        for j, t in enumerate(terms):
+            st.terms[self.mb, st.slot[i] + j] = t.detach().float().reshape(())
+        self.fwds.append(fwd)
+
+    def finish(self) -> None:
+        while self.todo:
+            self.step()
+        st, key = self.st, (self.mb, self.chunk)
+        st.fwds[key] = self.fwds
+        nxt = st.neighbour(self.chunk, +1)
+        if nxt is None:
+            return
+        if nxt[0] == st.rank:
+            st.inbox_f[(self.mb, nxt[1])] = self.carry
+        else:
+            st.outbox_f[key] = self.carry
+
+
+class _Backward:
+    """B (and, unless deferred, W) of one (microbatch, chunk), one model stage per ``step``."""
+
+    def __init__(self, st: _Rank, mb: int, chunk: int):
+        self.st, self.mb, self.chunk = st, mb, chunk
+        key = (mb, chunk)
+        if key not in st.fwds:
+            raise ScheduleError(f"rank {st.rank}: B(mb={mb}, chunk={chunk}) before its F")
+        self.fwds = st.fwds.pop(key)
+        self.todo = list(range(len(self.fwds) - 1, -1, -1))
+        if st.neighbour(chunk, +1) is None:
+            self.grad: tuple = ()
+        else:
+            if key not in st.inbox_b:
+                raise ScheduleError(
+                    f"rank {st.rank}: B(mb={mb}, chunk={chunk}) has no output gradient (no RECV_B)"
+                )
+            self.grad = st.inbox_b.pop(key)
+        self.works: list = []
+        self.deferred: list = []  # (role, work) waiting for a W token (FB)
+
+    def next_role(self) -> int | None:
+        return role(self.fwds[self.todo[0]].stage.name) if self.todo else None
+
+    def step(self, defer_w: bool = False) -> None:
+        i = self.todo.pop(0)
+        fwd = self.fwds[i]
+        self.fwds[i] = None  # drop the activation as soon as its B has run
+        stage = fwd.stage
+        carried = len(fwd.outputs) - len(stage.losses)
+        grad_out = self.grad if self.grad else (None,) * carried
+        grad_in, work = S.backward_input(fwd, grad_out, self.st.scale)
+        self.grad = tuple(grad_in[: len(grad_in) - len(stage.batch_inputs)])
+        if defer_w:
+            self.deferred.append((role(stage.name), work))
+        else:
+            self.works.append(work)
+
+    def run_w(self, roles: frozenset[int] | None = None) -> None:
+        keep = []
+        for r, work in self.deferred:
+            if roles is None or r in roles:
+                R.accumulate(self.st.grads, S.backward_weight(work))
+            else:
+                keep.append((r, work))
+        self.deferred = keep
+
+    def finish(self, w_now: bool) -> None:
+        while self.todo:
+            self.step()
+        st, key = self.st, (self.mb, self.chunk)
+        if w_now:
+            for work in self.works:
+                R.accumulate(st.grads, S.backward_weight(work))
+            self.run_w()
+        else:
+            st.works[key] = self.works
+        prev = st.neighbour(self.chunk, -1)
+        if prev is None:
+            return
+        if prev[0] == st.rank:
+            st.inbox_b[(self.mb, prev[1])] = self.grad
+        else:
+            st.outbox_b[key] = self.grad
+
+
+def _run_fb(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    f = _Forward(st, a.microbatch, a.chunk)
+    b = _Backward(st, a.b_microbatch, a.b_chunk)
+    while f.todo or b.todo:
+        progressed = False
+        for tok in order:
+            if tok.side == "W":
+                b.run_w(tok.roles)
+                continue
+            side = f if tok.side == "F" else b
+            used: set[int] = set()
+            while side.todo:
+                r = side.next_role()
+                if r != 0 and (r not in tok.roles or r in used):
+                    break
+                used.add(r)
+                if side is b:
+                    b.step(defer_w=tok.input_only and r in tok.roles)
+                else:
+                    f.step()
+                progressed = True
+        if not progressed:  # stages the order never names: run them in order
+            f.finish()
+            b.finish(w_now=True)
+    f.finish()
+    b.finish(w_now=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# transfers
+
+
+def _send(st: _Rank, tensors: tuple, peer: int, what: str) -> None:
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    header[0] = len(tensors)
+    at, payload = 1, []
+    for t in tensors:
+        if t is None:
+            need = [-1, -1]
+        else:
+            if t.dtype not in _CODE:
+                raise S.StageError(f"{what}: cannot send a tensor of dtype {t.dtype}")
+            need = [_CODE[t.dtype], t.dim(), *t.shape]
+            payload.append(t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous())
+        if at + len(need) > HEADER:
+            raise S.StageError(f"{what}: the carry tuple needs more than {HEADER} header words")
+        header[at : at + len(need)] = torch.tensor(need)
+        at += len(need)
+    dev = _device(st)
+    header = header.to(dev)
+    gpeer = D.global_rank(st.group, peer)
+    ops = [dist.P2POp(dist.isend, header, gpeer, st.group)]
+    ops += [dist.P2POp(dist.isend, t, gpeer, st.group) for t in payload]
+    works = dist.batch_isend_irecv(ops)
+    st.pending.append((works, (header, payload), what))
+    while len(st.pending) > 8:  # bound what in-flight sends keep alive
+        w, _, w_what = st.pending.pop(0)
+        D.wait(w, st.group, w_what, st.rank, st.timeout_s)
+
+
+def _recv(st: _Rank, peer: int, what: str) -> tuple:
+    dev = _device(st)
+    gpeer = D.global_rank(st.group, peer)
+    header = torch.empty(HEADER, dtype=torch.int64, device=dev)
+    D.wait(
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, gpeer, st.group)]),
+        st.group,
+        what,
+        st.rank,
+        st.timeout_s,
+    )
+    h = header.tolist()
+    out: list = []
+    bufs, at = [], 1
+    for _ in range(h[0]):
+        code, ndim = h[at], h[at + 1]
+        if code < 0:
+            out.append(None)
+            at += 2
+            continue
+        shape = h[at + 2 : at + 2 + ndim]
+        at += 2 + ndim
+        dtype = _DTYPES[code]
+        buf = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=dev)
+        bufs.append(buf)
+        out.append(buf.view(torch.bool) if dtype == torch.bool else buf)
+    if bufs:
+        ops = [dist.P2POp(dist.irecv, b, gpeer, st.group) for b in bufs]
+        D.wait(dist.batch_isend_irecv(ops), st.group, what, st.rank, st.timeout_s)
+    return tuple(out)
+
+
+def _device(st: _Rank) -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(st.group) == "nccl"
+        else torch.device("cpu")
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+def _run_action(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    key, k = (a.microbatch, a.chunk), a.kind
+    if k == "F":
+        _Forward(st, *key).finish()
+    elif k in ("B", "BW"):
+        _Backward(st, *key).finish(w_now=(k == "BW"))
+    elif k == "W":
+        if key not in st.works:
+            raise ScheduleError(f"rank {st.rank}: {a} before its B")
+        for work in st.works.pop(key):
+            R.accumulate(st.grads, S.backward_weight(work))
+    elif k == "FB":
+        _run_fb(st, a, order)
+    elif k == "SEND_F":
+        _send(st, st.outbox_f.pop(key), a.peer, str(a))
+    elif k == "SEND_B":
+        _send(st, st.outbox_b.pop(key), a.peer, str(a))
+    elif k == "RECV_F":
+        st.inbox_f[key] = _recv(st, a.peer, str(a))
+    elif k == "RECV_B":
+        st.inbox_b[key] = _recv(st, a.peer, str(a))
+    else:
+        raise ScheduleError(f"rank {st.rank}: unknown action kind {k!r}")
+
+
+def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
+    terms = st.terms.to(_device(st))
+    D.wait([dist.all_reduce(terms, group=st.group, async_op=True)], st.group, "the loss all-reduce", st.rank,
+           st.timeout_s)  # fmt: skip
+    terms = terms.cpu()
+    losses = []
+    for m in range(st.s.microbatches):
+        row = [terms[m, j] for j in range(st.num_terms)]
+        losses.append(R.sum_terms(row))
+    return R.mean_loss(losses), losses
+
+
+def _reduce_shared(st: _Rank, names: Sequence[str]) -> None:
+    """Sum the gradients of parameters held by several ranks (DualPipe copies, tied embeddings):
+    each holder sends to the lowest one, which adds them in rank order and sends the sum back."""
+    holders = P.param_holders(st.model, st.s)
+    pairs: dict[tuple[int, int], list[str]] = {}  # (root, other holder) -> names, for this rank's pairs
+    for n in names:
+        hs = holders[n]
+        for o in hs[1:]:
+            if st.rank in (hs[0], o):
+                pairs.setdefault((hs[0], o), []).append(n)
+    if not pairs:
+        return
+    dev, g = _device(st), st.grads
+
+    def flat(ns):
+        return torch.cat([g[n].reshape(-1) for n in ns]).to(dev)
+
+    def unpack(buf, ns):
+        at, out = 0, {}
+        for n in ns:
+            out[n] = buf[at : at + g[n].numel()].view_as(g[n]).to(g[n].device)
+            at += g[n].numel()
+        return out
+
+    def exchange(send_from_root: bool) -> dict:
+        ops, bufs = [], {}
+        for (root, o), ns in sorted(pairs.items()):
+            src, dst = (root, o) if send_from_root else (o, root)
+            if st.rank == src:
+                ops.append(dist.P2POp(dist.isend, flat(ns), D.global_rank(st.group, dst), st.group))
+            else:
+                bufs[(root, o)] = buf = torch.empty(
+                    sum(g[n].numel() for n in ns), dtype=g[ns[0]].dtype, device=dev
+                )
+                ops.append(dist.P2POp(dist.irecv, buf, D.global_rank(st.group, src), st.group))
+        D.wait(dist.batch_isend_irecv(ops), st.group, "the shared-gradient exchange", st.rank, st.timeout_s)
+        return bufs
+
+    for (root, o), buf in sorted(exchange(send_from_root=False).items()):  # roots: add in rank order
+        for n, t in unpack(buf, pairs[(root, o)]).items():
+            g[n] = g[n] + t
+    for (root, o), buf in exchange(send_from_root=True).items():
+        for n, t in unpack(buf, pairs[(root, o)]).items():
+            g[n] = t.clone()
+
+
+def run_schedule(
+    schedule: Schedule,
+    model: Model,
+    params: Mapping[str, Tensor],
+    batch: R.Batch,
+    group: dist.ProcessGroup | None = None,
+    *,
+    seed: int = 0,
+    stage_groups: Mapping | None = None,
+    fb_order: str | Sequence[FBStep] = FB_ORDER,
+    reduce_shared: bool = True,
+    timeout_s: float = D.DEFAULT_TIMEOUT_S,
+) -> R.StepResult:
+    """Run this rank's rows of ``schedule``; return the step's loss and this rank's gradients.
+
+    schedule: a table with pp = the group's size (compute-only tables are lowered here);
+    params: {global name: tensor}, at least this rank's (``pipeline.local_param_names``);
+    batch: the whole step's batch ({"tokens": [b, s] int64, "labels": [b, s] int64}), the same on
+    every rank; group: the pipeline process group (default: the world); seed/stage_groups: the
+    StageContext fields; fb_order: the FB stage order (see ``FB_ORDER``); reduce_shared: sum the
+    gradients of parameters several ranks hold (DualPipe copies, tied embeddings) here, so every
+    holder gets the total.
+    Returns StepResult(loss [] float32, {name: grad} for this rank's params, per-microbatch losses).
+    Raises ScheduleError (every rank, nothing run) for an invalid table; PipelineError when any rank
+    fails or a wait times out.
+    """
+    group = group or torch.distributed.distributed_c10d._get_default_group()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if schedule.pp != size:
+        raise ScheduleError(f"schedule pp={schedule.pp} but the pipeline group has {size} ranks")
+    validate(schedule)
+    schedule = lower(schedule)
+    order = parse_fb_order(fb_order) if isinstance(fb_order, str) else tuple(fb_order)
+    st = _Rank(schedule, model, params, batch, group, rank, seed, dict(stage_groups or {}), timeout_s)
+    names = P.local_param_names(model, schedule, rank=rank)
+    action: object = "setup"
+    try:
+        for action in schedule.actions[rank]:
+            _run_action(st, action, order)
+        action = "the final waits"
+        for works, _, what in st.pending:
+            D.wait(works, group, what, rank, timeout_s)
+        st.pending.clear()
+        loss, losses = _finish_loss(st)
+        grads = R.zero_missing(st.grads, params, names)
+        st.grads = grads
+        if reduce_shared:
+            _reduce_shared(st, names)
+        return R.StepResult(loss, st.grads, losses)
+    except D.PipelineError:
+        raise
+    except Exception as e:
+        earlier = D.failure(group)  # a peer failed first (its closed sockets are what broke this rank)
+        if earlier is not None:
+            raise D.PipelineError(earlier) from e
+        msg = f"pipeline rank {rank} failed at {action}: {type(e).__name__}: {e}"
+        D.fail(group, msg)
+        raise D.PipelineError(msg) from e
+
+
+def pipeline_step(
+    schedule: Schedule,
+    model: Model,
+    params_local: Mapping[str, Tensor],
+    batch: R.Batch,
+    group: dist.ProcessGroup | None = None,
+    **options,
+) -> R.StepResult:
+    """What the trainer calls once per step on every pipeline rank: ``run_schedule`` (same options).
+
+    params_local: this rank's parameters (``pipeline.local_param_names``); the returned grads have
+    the same keys, already summed over the ranks that share a parameter.
+    """
+    return run_schedule(schedule, model, params_local, batch, group, **options)

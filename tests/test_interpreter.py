@@ -1,0 +1,196 @@
+"""The schedule interpreter against the sequential runner, on gloo with several CPU processes.
+
+Each pipeline size runs in one spawn (process startup dominates on 2 cores): the workers run every
+case on the same process group and hand back plain numbers, which the tests below assert on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_batch, tiny_config
+from fmoe.schedules import ScheduleError, generate, read_csv, validate
+from fmoe.stages import qwen3_moe
+
+from fmoe import dist as D
+from fmoe import interpreter as I
+from fmoe import pipeline as P
+from fmoe import runner as R
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipe", "dualpipev"]
+CSV = Path(__file__).with_name("pp2_handwritten_fb.csv")
+ROUTERS = [f"model.layers.{i}.mlp.gate.weight" for i in (1, 2, 3)]
+
+
+def config(aux: float):
+    # 4 layers (one dense, three MoE): at pp=4 with two chunks some pipeline stages are empty
+    return tiny_config(num_hidden_layers=4, mlp_only_layers=(0,), router_aux_loss_coef=aux)
+
+
+def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    if a.norm() == 0 or b.norm() == 0:
+        return 0.0 if a.norm() == b.norm() else 1.0
+    return (1 - (a @ b) / (a.norm() * b.norm())).item()
+
+
+def compare(result, ref, names) -> dict:
+    return {
+        "loss_equal": torch.equal(result.loss, ref.loss),
+        "mb_losses_equal": all(torch.equal(a, b) for a, b in zip(result.microbatch_losses, ref.microbatch_losses)),
+        "same_names": sorted(result.grads) == sorted(names),
+        "worst_cosine": max(cosine_distance(g, ref.grads[n]) for n, g in result.grads.items()),
+        "routers": {n: (result.grads[n].abs().max().item(), cosine_distance(result.grads[n], ref.grads[n]))
+                    for n in ROUTERS if n in result.grads},
+    }  # fmt: skip
+
+
+def counting(model, calls: list):
+    """The model with every stage forward counting its calls into ``calls`` (a test probe)."""
+
+    def wrap(fn):
+        def counted(p, inputs, ctx):
+            calls.append(1)
+            return fn(p, inputs, ctx)
+
+        return counted
+
+    return dataclasses.replace(
+        model, stages=tuple(dataclasses.replace(s, forward=wrap(s.forward)) for s in model.stages)
+    )
+
+
+def worker(rank: int, world: int, group, microbatches: int, extras: bool) -> dict:
+    out: dict = {}
+    batch = random_batch(config(0.0), microbatches, 8, seed=5)
+    seq_off = None
+    for aux in (0.0, 0.01):
+        model = qwen3_moe.build(config(aux))
+        params = model.init(seed=1)
+        ref = R.run_sequential(model, params, batch, microbatches)
+        if aux == 0.0:
+            seq_off = ref
+        for name in SCHEDULES:
+            schedule = generate(name, world, microbatches)
+            names = P.local_param_names(model, schedule, rank=rank)
+            local = {n: params[n] for n in names}
+            result = I.pipeline_step(schedule, model, local, batch, group)
+            case = compare(result, ref, names)
+            # the aux loss's own contribution to each router gradient
+            case["aux_part"] = {n: cosine_distance(result.grads[n] - seq_off.grads[n], ref.grads[n] - seq_off.grads[n])
+                                for n in ROUTERS if n in result.grads and aux}  # fmt: skip
+            out[(name, aux)] = case
+    if extras:
+        model = qwen3_moe.build(config(0.01))
+        params = model.init(seed=1)
+        table = read_csv(CSV)
+        ref = R.run_sequential(
+            model, params, random_batch(config(0.01), table.microbatches, 8, seed=5), table.microbatches
+        )
+        result = I.run_schedule(
+            table, model, params, random_batch(config(0.01), table.microbatches, 8, seed=5), group
+        )
+        out["csv"] = compare(result, ref, P.local_param_names(model, table, rank=rank))
+        calls: list = []
+        try:
+            I.run_schedule(broken_table(world, microbatches), counting(model, calls), params, batch, group)
+            out["invalid"] = ("no error", len(calls))
+        except ScheduleError as e:
+            out["invalid"] = (str(e), len(calls))
+        # the group is still usable after a rejected table: run once more
+        again = I.run_schedule(generate("1f1b", world, microbatches), model, params, batch, group)
+        out["after_invalid"] = torch.equal(
+            again.loss, R.run_sequential(model, params, batch, microbatches).loss
+        )
+    return out
+
+
+def broken_table(pp: int, microbatches: int):
+    """1F1B with the last rank's last full backward dropped."""
+    s = generate("1f1b", pp, microbatches)
+    actions = list(s.actions)
+    actions[-1] = actions[-1][:-1]
+    return dataclasses.replace(s, actions=tuple(actions))
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    results = {}
+    for pp, mb in ((2, 4), (4, 8)):
+        got = D.spawn(worker, pp, (mb, pp == 2), timeout_s=170)
+        for r in got:
+            assert r.ok, f"pp={pp} rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
+        results[pp] = [r.value for r in got]
+    return results
+
+
+@pytest.mark.parametrize("aux", [0.0, 0.01], ids=["no_aux", "aux"])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_pipelined_loss_bitwise_equals_sequential_and_grads_match(runs, name, pp, aux):
+    for rank, value in enumerate(runs[pp]):
+        case = value[(name, aux)]
+        assert case["loss_equal"] and case["mb_losses_equal"], f"rank {rank}"
+        assert case["same_names"], f"rank {rank} returned gradients for other parameters than it holds"
+        assert case["worst_cosine"] < 1e-12, f"rank {rank}: cosine distance {case['worst_cosine']}"
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_router_aux_loss_gradient_reaches_every_router(runs, name, pp):
+    seen = set()
+    for value in runs[pp]:
+        case = value[(name, 0.01)]
+        for n, (peak, dist) in case["routers"].items():
+            seen.add(n)
+            assert peak > 0 and dist < 1e-12, n
+        for n, dist in case["aux_part"].items():
+            assert dist < 1e-6, f"{n}: the aux loss's part of the gradient is off by cosine distance {dist}"
+    assert seen == set(ROUTERS)
+
+
+def test_handwritten_csv_table_with_fb_and_explicit_transfers_matches_sequential(runs):
+    for value in runs[2]:
+        case = value["csv"]
+        assert case["loss_equal"] and case["same_names"] and case["worst_cosine"] < 1e-12
+
+
+def test_invalid_table_fails_on_every_rank_before_any_compute(runs):
+    with pytest.raises(ScheduleError) as expected:
+        validate(broken_table(2, 4))
+    for value in runs[2]:
+        message, calls = value["invalid"]
+        assert message == str(expected.value)
+        assert calls == 0
+        assert value["after_invalid"]
+
+
+def failing_worker(rank: int, world: int, group) -> str:
+    model = qwen3_moe.build(config(0.01))
+
+    def boom(p, inputs, ctx):
+        if ctx.microbatch == 1:
+            raise RuntimeError("boom: injected failure in layers.2.mlp")
+        return target.forward(p, inputs, ctx)
+
+    stages = list(model.stages)
+    at = next(i for i, s in enumerate(stages) if s.name == "layers.2.mlp")
+    target = stages[at]
+    stages[at] = dataclasses.replace(target, forward=boom)
+    model = dataclasses.replace(model, stages=tuple(stages))
+    batch = random_batch(config(0.01), 6, 8)
+    I.run_schedule(generate("1f1b", world, 6), model, model.init(seed=0), batch, group)
+    return "finished"
+
+
+def test_rank_failing_mid_schedule_brings_every_rank_down_with_its_message():
+    # pp=3: layers.2 sits on rank 1; rank 2 waits on rank 1 and rank 0 on both
+    assert any(model_stage == "layers.2.mlp" for model_stage in
+               (qwen3_moe.build(config(0.01)).stages[i].name for i in P.stage_map(qwen3_moe.build(config(0.01)), "loop", 3, 1)[(1, 0)]))  # fmt: skip
+    results = D.spawn(failing_worker, 3, timeout_s=90)
+    for r in results:
+        assert not r.ok and r.error_type == "PipelineError", (r.rank, r.error_type, r.error)
+        assert "pipeline rank 1 failed" in r.error and "boom: injected failure" in r.error, r.error

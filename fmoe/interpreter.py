@@ -454,6 +454,22 @@ def _reduce_shared(st: _Rank, names: Sequence[str]) -> None:
             g[n] = t.clone()
 
 
+_LOWERED: dict[int, tuple[Schedule, Schedule]] = {}
+
+
+def _checked_and_lowered(schedule: Schedule) -> Schedule:
+    """validate + lower, once per table object: a trainer runs the same table every step."""
+    hit = _LOWERED.get(id(schedule))
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    validate(schedule)
+    lowered = lower(schedule)
+    if len(_LOWERED) > 16:
+        _LOWERED.clear()
+    _LOWERED[id(schedule)] = (schedule, lowered)  # holding the table keeps its id from being reused
+    return lowered
+
+
 def run_schedule(
     schedule: Schedule,
     model: Model,
@@ -484,8 +500,7 @@ def run_schedule(
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if schedule.pp != size:
         raise ScheduleError(f"schedule pp={schedule.pp} but the pipeline group has {size} ranks")
-    validate(schedule)
-    schedule = lower(schedule)
+    schedule = _checked_and_lowered(schedule)
     order = parse_fb_order(fb_order) if isinstance(fb_order, str) else tuple(fb_order)
     st = _Rank(schedule, model, params, batch, group, rank, seed, dict(stage_groups or {}), timeout_s)
     names = P.local_param_names(model, schedule, rank=rank)

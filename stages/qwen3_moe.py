@@ -160,6 +160,7 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
         cfg.head_size,
         cfg.rope_theta,
         cfg.rms_norm_eps,
+        cp_group=ctx.group("cp"),
     )
     h1 = h + a
     x = layers.rms_norm(h1, p["post_attention_layernorm.weight"], cfg.rms_norm_eps).reshape(
@@ -177,7 +178,8 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
         )
     outputs = (h1, x, ids, w)
     if cfg.router_aux_loss_coef:
-        outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts),)
+        # under context parallelism the statistics span the whole sequence (all cp ranks)
+        outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts, group=ctx.group("cp")),)
     return outputs
 
 

@@ -1,0 +1,259 @@
+"""One training step on the 4D mesh, with parameters sharded ZeRO-3 style.
+
+Every parameter lives as a flat shard: expert parameters (this ep rank's experts) split over
+``dp_cp``, all others over ``dp_cp_ep``, each padded to a multiple of its group's size. A step
+
+  1. all-gathers this rank's parameters (its pipeline chunks' only), asynchronously, once per step;
+  2. runs the microbatches: the pipeline interpreter when pp > 1, else F/B/W stage by stage, with
+     the ep and cp groups in every StageContext; losses are seeded 1 / microbatches;
+  3. scales the gradients by 1 / (dp x cp x ep) (the step's loss is the mean over data ranks) and
+     reduce-scatters them over the shard groups - once per step, after the last W;
+  4. frees the gathered parameters.
+The optimizer then updates shards (``fmoe.optim`` over the shard dicts, the global norm summed
+over the world). Checkpoints hold the canonical, layout-free tensors (:func:`canonical`,
+:func:`shard_canonical`), so a run saved on one mesh resumes on another.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fmoe import runner
+from fmoe import stage as S
+from fmoe.expert_parallel import expert_range, is_expert_param
+from fmoe.mesh import Mesh
+from fmoe.stages.context_parallel import split_batch
+from fmoe.stages.spec import Model, StageContext
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How one parameter is laid out: full_shape is this rank's (ep-local for experts) full tensor."""
+
+    full_shape: tuple[int, ...]
+    group: str  # "dp_cp" or "dp_cp_ep"
+    size: int  # ranks in the group
+    index: int  # this rank's index in the group
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.full_shape)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.size)
+
+
+def _group_size_rank(mesh: Mesh, name: str) -> tuple[int, int]:
+    g = mesh.group(name)
+    return (1, 0) if g is None else (dist.get_world_size(g), dist.get_rank(g))
+
+
+def layout(
+    model: Model, mesh: Mesh, shapes: Mapping[str, Sequence[int]], names: Sequence[str] | None = None
+) -> dict[str, ShardInfo]:
+    """The shard layout of ``names`` (default: every parameter) on this rank.
+
+    shapes: every parameter's canonical shape (a family's ``param_shapes(cfg)``)."""
+    cfg = model.config
+    out = {}
+    for name in names if names is not None else list(shapes):
+        shape = tuple(shapes[name])
+        group = "dp_cp" if is_expert_param(name) else "dp_cp_ep"
+        if is_expert_param(name) and mesh.ep > 1:
+            shape = (cfg.num_experts // mesh.ep, *shape[1:])
+        size, index = _group_size_rank(mesh, group)
+        out[name] = ShardInfo(shape, group, size, index)
+    return out
+
+
+def shard_canonical(
+    full: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh
+) -> dict[str, Tensor]:
+    """This rank's flat shards of canonical full tensors (experts: slice this ep rank's first)."""
+    out = {}
+    for name, info in infos.items():
+        t = full[name]
+        if is_expert_param(name) and mesh.ep > 1:
+            lo, hi = expert_range(t.shape[0], mesh.ep, mesh.coords["ep"])
+            t = t[lo:hi]
+        flat = t.reshape(-1)
+        pad = info.shard_numel * info.size - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        out[name] = flat[info.index * info.shard_numel : (info.index + 1) * info.shard_numel].clone()
+    return out
+
+
+def gather_params(
+    shards: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh, dtype=None
+) -> dict[str, Tensor]:
+    """All-gather the shards into this rank's full (ep-local) parameters, cast to ``dtype``."""
+    pending = []
+    for name, shard in shards.items():
+        info = infos[name]
+        src = shard if dtype is None else shard.to(dtype)
+        if info.size == 1:
+            pending.append((name, None, src))
+            continue
+        buf = src.new_empty(info.shard_numel * info.size)
+        work = dist.all_gather_into_tensor(buf, src.contiguous(), group=mesh.group(info.group), async_op=True)
+        pending.append((name, work, buf))
+    full = {}
+    for name, work, buf in pending:
+        if work is not None:
+            work.wait()
+        info = infos[name]
+        full[name] = buf[: info.numel].view(info.full_shape)
+    return full
+
+
+def reduce_scatter_grads(
+    grads: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh
+) -> dict[str, Tensor]:
+    """Sum the full gradients over each shard group and keep this rank's shard (flat)."""
+    out = {}
+    for name, g in grads.items():
+        info = infos[name]
+        flat = g.reshape(-1)
+        pad = info.shard_numel * info.size - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        group = mesh.group(info.group)
+        if info.size == 1:
+            out[name] = flat.clone()
+        elif dist.get_backend(group) == "nccl":
+            shard = flat.new_empty(info.shard_numel)
+            dist.reduce_scatter_tensor(shard, flat.contiguous(), group=group)
+            out[name] = shard
+        else:  # gloo has no reduce-scatter
+            flat = flat.clone()
+            dist.all_reduce(flat, group=group)
+            out[name] = flat[info.index * info.shard_numel : (info.index + 1) * info.shard_numel].clone()
+    return out
+
+
+def local_batch(batch: runner.Batch, mesh: Mesh) -> dict[str, Tensor]:
+    """This rank's share of the global batch: its data rank's rows, then its cp share of each sequence."""
+    b = batch["tokens"].shape[0]
+    per = b // mesh.data_ranks
+    r = mesh.data_rank
+    out = {k: v[r * per : (r + 1) * per] for k, v in batch.items() if k != "positions"}
+    if mesh.cp > 1:
+        out = split_batch(out, mesh.cp, mesh.coords["cp"])
+    return runner.with_positions(out)
+
+
+def _local_step(
+    model: Model, params, batch, num_microbatches: int, mesh: Mesh, seed: int
+) -> runner.StepResult:
+    """pp = 1: every stage on this rank, microbatch after microbatch (F all, B all, W all)."""
+    grads: dict[str, Tensor] = {}
+    losses = []
+    groups = mesh.stage_groups()
+    for i, mb in enumerate(runner.split_microbatches(batch, num_microbatches)):
+        ctx = StageContext(microbatch=mesh.data_rank * num_microbatches + i, seed=seed, groups=groups)
+        carry: tuple[Tensor, ...] = ()
+        fwds, terms = [], []
+        for stage in model.stages:
+            outputs, fwd = S.forward(stage, params, runner.stage_inputs(stage, carry, mb), ctx)
+            carry, stage_terms = runner.split_outputs(stage, outputs)
+            fwds.append(fwd)
+            terms.extend(stage_terms)
+        losses.append(runner.sum_terms(terms))
+        runner.accumulate(
+            grads, runner.weight_grads(runner.backward_microbatch(fwds, 1.0 / num_microbatches))
+        )
+    return runner.StepResult(
+        runner.mean_loss(losses), runner.zero_missing(grads, params, list(params)), losses
+    )
+
+
+def parallel_step(
+    model: Model,
+    shards: Mapping[str, Tensor],
+    infos: Mapping[str, ShardInfo],
+    batch: runner.Batch,
+    num_microbatches: int,
+    mesh: Mesh,
+    *,
+    schedule=None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards).
+
+    shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
+    batch (every rank passes the same; each takes its share); schedule: a table for pp > 1.
+    """
+    params = gather_params(shards, infos, mesh, dtype)
+    mine = local_batch(batch, mesh)
+    if mesh.pp > 1:
+        from fmoe.interpreter import run_schedule
+
+        result = run_schedule(
+            schedule, model, params, mine, mesh.group("pp"), seed=seed, stage_groups=mesh.stage_groups()
+        )
+    else:
+        result = _local_step(model, params, mine, num_microbatches, mesh, seed)
+    del params
+    scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
+    grads = {n: g.float().mul_(scale) if dtype is not None else g.mul(scale) for n, g in result.grads.items()}
+    grad_shards = reduce_scatter_grads(grads, infos, mesh)
+    loss = result.loss.detach().clone().float()
+    data = mesh.group("dp_cp_ep")
+    if data is not None:
+        dist.all_reduce(loss, group=data)
+    return loss * scale, grad_shards
+
+
+def world_sq_norm(x: Tensor) -> Tensor:
+    """For clip_by_global_norm over shards: every element lives on exactly one rank of the world."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# canonical (layout-free) tensors for checkpoints
+
+
+def canonical(
+    tensors: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh, names: Sequence[str]
+) -> dict[str, Tensor] | None:
+    """Gather flat shards into canonical full tensors (all experts, all pipeline ranks' params) on
+    global rank 0 (None elsewhere). tensors: {name: shard} for this rank's ``infos``."""
+    local = {}
+    for name, shard in tensors.items():
+        info = infos[name]
+        full = shard
+        if info.size > 1:
+            buf = shard.new_empty(info.shard_numel * info.size)
+            dist.all_gather_into_tensor(buf, shard.contiguous(), group=mesh.group(info.group))
+            full = buf
+        full = full[: info.numel].view(info.full_shape)
+        if is_expert_param(name) and mesh.ep > 1:
+            parts = [torch.empty_like(full) for _ in range(mesh.ep)]
+            dist.all_gather(parts, full.contiguous(), group=mesh.group("ep"))
+            full = torch.cat(parts)
+        local[name] = full.cpu()
+    if mesh.pp > 1:
+        # one holder per (pp rank): the dp=cp=ep=0 member of each pipeline group sends to rank 0
+        gathered = [None] * mesh.pp if mesh.rank == 0 else None
+        first = all(mesh.coords[d] == 0 for d in ("dp", "cp", "ep"))
+        if first:
+            dist.gather_object(local, gathered, dst=0, group=mesh.group("pp"))
+        if mesh.rank != 0:
+            return None
+        merged: dict[str, Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return {n: merged[n] for n in names if n in merged}
+    return {n: local[n] for n in names if n in local} if mesh.rank == 0 else None

@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from fmoe import checkpoint, data, optim, runner
+from fmoe import checkpoint, data, optim, parallel, pipeline, schedules
+from fmoe import dist as D
 from fmoe.hf import family as family_module
+from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.recipe import Recipe, RecipeError
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
@@ -49,10 +52,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_optimizer(
-    recipe: Recipe, params: dict[str, Tensor]
-) -> tuple[optim.GradientTransformation, Callable]:
-    """clip by global norm, then AdamW on the recipe's schedule; also returns the schedule (step -> lr)."""
+def make_optimizer(recipe: Recipe, shapes: dict) -> tuple[optim.GradientTransformation, Callable]:
+    """clip by global norm (over every rank's shards), then AdamW on the recipe's schedule, decaying
+    matrices only (by their canonical shapes); also returns the schedule (step -> lr)."""
     o, steps = recipe.optim, recipe.train.steps
     if o.schedule == "cosine":
         lr = optim.warmup_cosine(o.lr, o.warmup, steps, final=o.min_lr)
@@ -60,8 +62,8 @@ def make_optimizer(
         decay = max(1, int(steps * o.decay_fraction))
         lr = optim.warmup_stable_decay(o.lr, o.warmup, steps, decay, final=o.min_lr)
     tx = optim.chain(
-        optim.clip_by_global_norm(o.clip),
-        optim.adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, mask=optim.default_decay_mask(params)),
+        optim.clip_by_global_norm(o.clip, sq_norm_reduce=parallel.world_sq_norm),
+        optim.adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, mask={n: len(s) >= 2 for n, s in shapes.items()}),
     )
     return tx, lr
 
@@ -134,6 +136,68 @@ class MetricsLog:
             self.tb.close()
 
 
+def _setup_mesh(recipe: Recipe):
+    """Process group (torchrun's environment) and mesh; sizes checked before anything is built."""
+    p, t = recipe.parallel, recipe.train
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    try:
+        check_sizes(p.pp, p.dp, p.cp, p.ep, world, microbatches=t.microbatches, schedule=p.schedule,
+                    num_experts=getattr(recipe.model, "num_experts", None), seq_len=recipe.data.seq_len,
+                    global_batch=t.global_batch)  # fmt: skip
+    except MeshError as e:
+        raise RecipeError(f"{recipe.path}: {e}") from None
+    if world > 1 and not dist.is_initialized():
+        D.init_from_env()
+    return build_mesh(p.pp, p.dp, p.cp, p.ep)
+
+
+def _schedule(recipe: Recipe, mesh):
+    """The pipeline table for pp > 1: a generator name or a CSV file."""
+    if mesh.pp == 1:
+        return None
+    p = recipe.parallel
+    try:
+        if p.schedule.endswith(".csv"):
+            table = schedules.read_csv(p.schedule)
+        else:
+            options = {"chunks": p.chunks} if p.schedule == "interleaved-1f1b" else {}
+            table = schedules.generate(p.schedule, mesh.pp, recipe.train.microbatches, **options)
+        schedules.validate(table)
+    except (ValueError, FileNotFoundError) as e:
+        raise RecipeError(f"{recipe.path}: parallel.schedule {p.schedule!r}: {e}") from None
+    if table.pp != mesh.pp or table.microbatches != recipe.train.microbatches:
+        raise RecipeError(
+            f"{recipe.path}: parallel.schedule {p.schedule!r} is for pp={table.pp}, microbatches="
+            f"{table.microbatches}; the recipe has parallel.pp={mesh.pp}, train.microbatches={recipe.train.microbatches}"
+        )
+    return table
+
+
+def _opt_canonical(state, infos, mesh, names) -> dict[str, Tensor] | None:
+    """The optimizer state keyed by global names, layout-free (rank 0; None elsewhere)."""
+    flat: dict[str, Tensor] = {}
+    for prefix in ("exp_avg/", "exp_avg_sq/"):
+        full = parallel.canonical({n: state[prefix + n] for n in infos}, infos, mesh, names)
+        if full is not None:
+            flat.update({prefix + n: t for n, t in full.items()})
+    if mesh.rank != 0:
+        return None
+    flat.update({k: v.detach().cpu() for k, v in state.items() if "/" not in k})
+    return flat
+
+
+def _opt_shard(flat, infos, mesh, device) -> dict[str, Tensor]:
+    state = {k: v.to(device) for k, v in flat.items() if "/" not in k}
+    for prefix in ("exp_avg/", "exp_avg_sq/"):
+        full = {n: flat[prefix + n] for n in infos}
+        state.update(
+            {prefix + n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
+        )
+    return state
+
+
 def train(
     recipe: Recipe,
     stop_after: int | None = None,
@@ -141,26 +205,26 @@ def train(
 ) -> TrainResult:
     """Train ``recipe`` (resuming from its latest checkpoint), returning this run's losses.
 
+    On several processes (torchrun, or a process group already set up) every rank calls it; the
+    mesh comes from ``[parallel]``. Parameters and optimizer state are held as ZeRO-3 shards;
+    checkpoints are canonical (layout-free), so a run may resume on another mesh.
     stop_after: stop (with a checkpoint) after this many steps of this run - kill-and-resume tests.
     """
     t0 = time.perf_counter()
     fam = family_module(recipe.model_family)
     cfg = recipe.model
-    p = recipe.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if p.pp * p.dp * p.cp * p.ep != world:
-        raise RecipeError(
-            f"{recipe.path}: parallel.pp x dp x cp x ep = {p.pp} x {p.dp} x {p.cp} x {p.ep} = "
-            f"{p.pp * p.dp * p.cp * p.ep}, but the job has {world} processes (torchrun --nproc-per-node)"
-        )
-    if world > 1:
-        raise RecipeError(
-            f"{recipe.path}: this build of fmoe train runs on one process; parallel sizes other than 1 are not wired in yet"
-        )
+    mesh = _setup_mesh(recipe)
+    lead = mesh.rank == 0
     device = pick_device(recipe.train.device)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.train.dtype]
     torch.manual_seed(recipe.train.seed)
 
+    if lead:
+        ensure_dataset(recipe)
+    if mesh.world > 1:
+        dist.barrier()
     dataset = data.TokenDataset(ensure_dataset(recipe))
     seq, global_batch = recipe.data.seq_len, recipe.train.global_batch
     try:
@@ -170,22 +234,33 @@ def train(
         raise RecipeError(f"{recipe.path}: {e}") from None
 
     model = fam.build(cfg)
-    params = model.init(seed=recipe.train.seed, dtype=torch.float32, device=device)
-    tx, lr_schedule = make_optimizer(recipe, params)
-    state = tx.init(params)
+    table = _schedule(recipe, mesh)
+    shapes = fam.param_shapes(cfg)
+    names = list(shapes)
+    local = pipeline.local_param_names(model, table, rank=mesh.coords["pp"]) if table is not None else names
+    infos = parallel.layout(model, mesh, shapes, local)
+    tx, lr_schedule = make_optimizer(recipe, shapes)
     step, cursor = 0, 0
     ckpt_dir = Path(recipe.checkpoint.dir)
     latest = checkpoint.latest(ckpt_dir) if recipe.checkpoint.resume else None
-    if latest is not None:
-        loaded_params, opt_flat, trainer_state = checkpoint.load(latest, expected_keys=list(params))
-        params = {n: loaded_params[n].to(device=device, dtype=torch.float32) for n in params}
-        state = optim.state_from_flat(tx, opt_flat, params)
+    if latest is None:
+        full = model.init(seed=recipe.train.seed, dtype=torch.float32)
+        shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
+        state = tx.init(shards)
+    else:
+        full, opt_flat, trainer_state = checkpoint.load(latest, expected_keys=names)
+        shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
+        try:
+            state = optim.state_from_flat(tx, _opt_shard(opt_flat, infos, mesh, device), shards)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{latest}: optimizer state does not fit the model ({e})") from None
         step = int(trainer_state["step"])
         cursor = int(trainer_state["data_cursor"])
         checkpoint.restore_rng(trainer_state["rng"])
+    del full
 
     result = TrainResult(step=step)
-    log = MetricsLog(Path(recipe.log.dir))
+    log = MetricsLog(Path(recipe.log.dir)) if lead else None
     tokens_per_step = global_batch * seq
     stream = data.batches(
         dataset,
@@ -195,9 +270,7 @@ def train(
         seed=recipe.data.shuffle_seed,
         cursor=cursor,
     )
-    flops_per_step = tokens_per_step * (
-        flops_per_token(cfg) + attention_flops_per_token(cfg, recipe.data.seq_len)
-    )
+    flops_per_step = tokens_per_step * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
     peak = next(
         (
             v
@@ -206,33 +279,50 @@ def train(
         ),
         None,
     )
+    if peak:
+        peak *= mesh.world
     last_steps = recipe.train.steps if stop_after is None else min(recipe.train.steps, step + stop_after)
-    progress = _progress(recipe, step, last_steps)
+    progress = _progress(recipe if lead else None, step, last_steps)
     pending: list[tuple[int, Tensor]] = []
     window_t, window_steps = time.perf_counter(), 0
 
-    def save(at: int) -> str:
-        trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng()}
-        path = checkpoint.save(
-            ckpt_dir, at, params, optim.state_to_flat(state), trainer_state, keep=recipe.checkpoint.keep
-        )
-        return str(path)
+    def save(at: int) -> str | None:
+        params_full = parallel.canonical(shards, infos, mesh, names)
+        opt_full = _opt_canonical(state, infos, mesh, names)
+        path, error = None, None
+        if lead:
+            trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng()}
+            try:
+                path = str(
+                    checkpoint.save(
+                        ckpt_dir, at, params_full, opt_full, trainer_state, keep=recipe.checkpoint.keep
+                    )
+                )
+            except Exception as e:  # every rank stops with the writer's message
+                error = e
+        if mesh.world > 1:
+            box = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(box, src=0)
+            if error is None and box[0] is not None:
+                raise checkpoint.CheckpointWriteError(f"rank 0 failed to write the checkpoint: {box[0]}")
+        if error is not None:
+            raise error
+        return path
 
     try:
         while step < last_steps:
             tokens, labels, cursor = next(stream)
             batch = {"tokens": tokens.flatten(0, 1).to(device), "labels": labels.flatten(0, 1).to(device)}
-            compute = params if dtype == torch.float32 else {n: t.to(dtype) for n, t in params.items()}
-            out = runner.run_sequential(
-                model, compute, batch, recipe.train.microbatches, seed=recipe.train.seed + step
-            )
-            grads = out.grads if dtype == torch.float32 else {n: g.float() for n, g in out.grads.items()}
-            params, state = optim.step(tx, grads, state, params)
+            loss, grads = parallel.parallel_step(
+                model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
+                dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
+            )  # fmt: skip
+            shards, state = optim.step(tx, grads, state, shards)
             step += 1
             window_steps += 1
-            pending.append((step, out.loss.detach()))
+            pending.append((step, loss))
             if step % recipe.log.every == 0 or step == last_steps:
-                losses = torch.stack([loss for _, loss in pending]).tolist()  # one host sync per log interval
+                losses = torch.stack([v for _, v in pending]).tolist()  # one host sync per log interval
                 for (s, _), value in zip(pending, losses):
                     result.losses.append(value)
                     if on_step is not None:
@@ -253,7 +343,8 @@ def train(
                 }
                 if peak:
                     record["mfu"] = flops_per_step * window_steps / max(elapsed, 1e-9) / (peak * 1e12)
-                log.write(record)
+                if log is not None:
+                    log.write(record)
                 progress.update(step, losses[-1], tps, record.get("mfu"))
                 result.tokens_per_second = tps
                 window_t, window_steps = time.perf_counter(), 0
@@ -261,8 +352,10 @@ def train(
                 result.checkpoint = save(step)
     finally:
         progress.close()
-        log.close()
-    result.params, result.step = params, step
+        if log is not None:
+            log.close()
+    result.params = parallel.canonical(shards, infos, mesh, names) or {}
+    result.step = step
     result.wall_seconds = time.perf_counter() - t0
     return result
 
@@ -270,9 +363,9 @@ def train(
 class _progress:
     """A tqdm bar with step, loss, tokens/s and ETA (MFU on GPU); silent when log.progress is off."""
 
-    def __init__(self, recipe: Recipe, start: int, total: int):
+    def __init__(self, recipe: Recipe | None, start: int, total: int):
         self.bar = None
-        if recipe.log.progress:
+        if recipe is not None and recipe.log.progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)

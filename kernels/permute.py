@@ -56,7 +56,7 @@ MAX_TRITON_EXPERTS = 1024
 # Defaults for an H100/H200: 4096 ids per CTA keeps the (block, expert) table small (256 rows for
 # 1M ids) while the in-CTA bitonic sort (78 compare-exchange steps) still fits one CTA's registers.
 DEFAULT_BLOCK = 4096
-DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_WARPS = 16  # best of the H200 sweep in benchmarks/results/permute_h200.json
 # Elements per tile of the column prefix sum (rows x expert slab).
 _OFFSETS_TILE = 8192
 

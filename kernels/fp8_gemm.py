@@ -1,0 +1,479 @@
+"""Block-scaled FP8 GEMMs (DeepSeek-V3's recipe) in Triton, dense and expert-grouped, for Hopper.
+
+Two kernels cover the three GEMMs of a linear layer and of an expert-grouped linear layer; every
+operand is K-major (the layout FP8 wgmma reads), loaded by TMA descriptors:
+
+- ``fp8_gemm_nt``: ``C[M, N] = A[M, K] @ B[N, K]^T``, A with 1x128 scales (``Fp8Act``), B with
+  128x128 block scales (``Fp8Weight``). Forward (A = x, B = w) and input gradient (A = dy,
+  B = w^T). With ``offs`` it is the grouped GEMM over expert-grouped rows (contiguous layout):
+  B is ``[experts, N, K]`` and rows ``[offs[e-1], offs[e])`` use ``B[e]``; tiles never straddle two
+  experts, empty experts cost nothing.
+- ``fp8_gemm_wgrad``: ``C[e] = A_e @ B_e^T`` reducing over each expert's tokens, both operands
+  token-transposed with 1x128 scales along tokens (``Fp8ActT``). Weight gradient
+  (A = dy^T, B = x^T); dense is the one-expert case. An empty expert gets a zero gradient.
+
+Both are persistent (one program per SM walks the tiles), accumulate in FP32 and promote each
+128-deep partial product with its scales (``acc += dot(a, b) * sa * sb``), so the tensor cores'
+reduced-precision FP8 accumulation never spans more than 128 products, and write BF16 (or FP32).
+``GemmConfig`` sets the tiles; ``warp_specialize=True`` asks Triton 3.6 for its Hopper producer /
+two-consumer split (compiles without spills, not yet seen running: see GemmConfig).
+Status: checked under the interpreter only; the one H200 run so far returned nothing (see
+benchmarks/bench_fp8.py), so the GPU numbers and tile defaults are still to be measured.
+
+Backends: ``triton`` (these kernels; on CPU tensors under ``TRITON_INTERPRET=1``), ``torch`` (the
+references below: dequantize, then an FP32 matmul), and ``deep_gemm`` when it is importable, used
+by ``auto`` for the dense NT GEMM on shapes it supports. ``FMOE_KERNEL_BACKEND`` or the
+``backend`` argument overrides the choice. deep_gemm could not be installed where this was written,
+so its adapter is untested; the grouped GEMMs always run here (deep_gemm's contiguous grouped GEMM
+needs each expert's rows padded to 128, which fmoe's dispatch does not do).
+"""
+
+import functools
+import importlib
+from dataclasses import dataclass
+
+import torch
+from fmoe.kernels._triton import (
+    BACKENDS,
+    HAS_TRITON,
+    TensorDescriptor,
+    interpreting,
+    kernel_backend,
+    num_sms,
+    tl,
+    triton,
+    use_triton,
+)
+from fmoe.kernels.fp8_quant import (
+    FP8_DTYPE,
+    GROUP,
+    Fp8Act,
+    Fp8ActT,
+    cdiv,
+    dequantize_act,
+    dequantize_act_t,
+    tile_map,
+)
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch of the Triton GEMMs (the K block is always 128, one scale group)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+    group_m: int = 8  # tiles of this many M-blocks run side by side, for L2 reuse of B
+    programs_per_sm: int = 1
+    flatten: bool = False  # flatten the tile and K loops so loads of the next tile overlap the epilogue
+    # Triton's Hopper warp specialization: a producer warpgroup issues the TMA loads and two consumer
+    # warpgroups (num_warps each) take half the tile rows each, so one's FP32 promotion can overlap
+    # the other's wgmma. It compiles (sm_90a, no spills), but the one GPU run made so far hung before
+    # reporting anything, and this variant is the prime suspect: opt-in until measured.
+    warp_specialize: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            if getattr(self, name) not in (16, 32, 64, 128, 256):
+                raise ValueError(
+                    f"GemmConfig.{name}: must be one of 16, 32, 64, 128, 256, got {getattr(self, name)}"
+                )
+        if self.num_warps not in (4, 8, 16):
+            raise ValueError(f"GemmConfig.num_warps: must be 4, 8 or 16, got {self.num_warps}")
+        if self.warp_specialize and self.flatten:
+            raise ValueError("GemmConfig.flatten: must be False with warp_specialize")
+        for name in ("num_stages", "group_m", "programs_per_sm"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GemmConfig.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+# Defaults: software-pipelined TMA loads, 2 warpgroups of 64 rows each (185 registers, no spills).
+# Not yet measured on a GPU: benchmarks/bench_fp8.py sweeps the alternatives.
+DEFAULT_CONFIG = GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+WGRAD_CONFIG = GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+INTERPRET_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def _default_config(t: Tensor, wgrad: bool) -> GemmConfig:
+    if not t.is_cuda:
+        return INTERPRET_CONFIG
+    return WGRAD_CONFIG if wgrad else DEFAULT_CONFIG
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _tile_coords(tile_id, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile id -> (m tile, n tile), GROUP_M m tiles at a time so neighbours share B tiles in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (tile_id // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile_id % per_group) % rows, (tile_id % per_group) // rows
+
+
+@triton.jit
+def _nt_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    sa_ptr,
+    sb_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    group_end_ptr,
+    M,
+    N,
+    K,
+    E,
+    num_m,
+    num_n,
+    k_tiles,
+    stride_cm,
+    stride_sam,
+    stride_sak,
+    stride_sbe,
+    stride_sbn,
+    stride_sbk,
+    GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WS: tl.constexpr,
+):
+    """C = A @ B^T with A row-scaled (1x128) and B block-scaled (128x128); grouped over rows."""
+    for tile_id in tl.range(
+        tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS
+    ):
+        mt, nt = _tile_coords(tile_id, num_m, num_n, GROUP_M)
+        if GROUPED:
+            e = tl.load(tile_expert_ptr + mt)
+            row0 = tl.load(tile_row_ptr + mt)
+            valid = e < E
+            e = tl.minimum(e, E - 1)
+            row_end = tl.where(valid, tl.load(group_end_ptr + e), row0)
+            k_iters = tl.where(valid, k_tiles, 0)  # a tile past the last expert does nothing
+        else:
+            e = 0
+            row0 = mt * BLOCK_M
+            row_end = M
+            k_iters = k_tiles
+        n0 = nt * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        sa_ptrs = sa_ptr + tl.minimum(rows, M - 1) * stride_sam
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_N <= 128:
+            # the whole tile lies in one 128-row block of B: one scale per K-block
+            sb_ptrs = sb_ptr + e * stride_sbe + (n0 // 128) * stride_sbn
+            for ki in range(k_iters):
+                a = a_desc.load([row0, ki * BLOCK_K])
+                b = b_desc.load([e * N + n0, ki * BLOCK_K])
+                s = tl.load(sa_ptrs + ki * stride_sak) * tl.load(sb_ptrs + ki * stride_sbk)
+                acc += tl.dot(a, b.T) * s[:, None]
+        else:
+            sb_ptrs = sb_ptr + e * stride_sbe + (tl.minimum(cols, N - 1) // 128) * stride_sbn
+            for ki in range(k_iters):
+                a = a_desc.load([row0, ki * BLOCK_K])
+                b = b_desc.load([e * N + n0, ki * BLOCK_K])
+                sa = tl.load(sa_ptrs + ki * stride_sak)
+                sb = tl.load(sb_ptrs + ki * stride_sbk)
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        mask = (rows[:, None] < row_end) & (cols[None, :] < N)
+        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_desc,
+    b_desc,
+    c_ptr,
+    sa_ptr,
+    sb_ptr,
+    group_start_ptr,
+    group_len_ptr,
+    M,
+    N,
+    E,
+    num_m,
+    num_n,
+    stride_ce,
+    stride_cm,
+    stride_sat,
+    stride_sam,
+    stride_sbt,
+    stride_sbn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WS: tl.constexpr,
+):
+    """C[e] = A[:, tokens of e] @ B[:, tokens of e]^T, both scaled 1x128 along tokens."""
+    per_expert = num_m * num_n
+    for tile_id in tl.range(
+        tl.program_id(0), E * per_expert, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS
+    ):
+        e = tile_id // per_expert
+        mt, nt = _tile_coords(tile_id % per_expert, num_m, num_n, GROUP_M)
+        t0 = tl.load(group_start_ptr + e)
+        k_iters = tl.load(group_len_ptr + e) // BLOCK_K
+        rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        sa_ptrs = sa_ptr + tl.minimum(rows, M - 1) * stride_sam + (t0 // BLOCK_K) * stride_sat
+        sb_ptrs = sb_ptr + tl.minimum(cols, N - 1) * stride_sbn + (t0 // BLOCK_K) * stride_sbt
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_iters):
+            a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
+            b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
+            sa = tl.load(sa_ptrs + ki * stride_sat)
+            sb = tl.load(sb_ptrs + ki * stride_sbt)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backend choice
+
+
+@functools.cache
+def _deep_gemm():
+    """The deep_gemm module, or None when it is not installed."""
+    try:
+        return importlib.import_module("deep_gemm")
+    except ImportError:
+        return None
+
+
+def _deep_gemm_supports(a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool) -> bool:
+    M, K = a.shape
+    N = b.shape[-2]
+    return (
+        a.is_cuda and not grouped and out_dtype == torch.bfloat16 and K % 128 == 0 and N % 64 == 0 and M > 0
+    )
+
+
+def _backend(backend: str | None, a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool) -> str:
+    """The backend a call runs on. An explicit ``backend`` argument that cannot run raises; the
+    environment's choice falls back (deep_gemm -> Triton -> torch) where it does not apply."""
+    explicit = backend is not None
+    backend = backend or kernel_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return backend
+    deep_gemm_ok = _deep_gemm() is not None and _deep_gemm_supports(a, b, out_dtype, grouped)
+    if backend == "deep_gemm":
+        if deep_gemm_ok:
+            return backend
+        if explicit:
+            why = (
+                "is not importable"
+                if _deep_gemm() is None
+                else "does not support this call (grouped or shape)"
+            )
+            raise ValueError(f"backend: 'deep_gemm' was asked for, but deep_gemm {why}")
+        backend = "auto"
+    if backend == "auto":
+        if deep_gemm_ok:
+            return "deep_gemm"
+        return "triton" if use_triton(a) else "torch"
+    if not (HAS_TRITON and (a.is_cuda or interpreting())):
+        raise ValueError("backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1")
+    return backend
+
+
+def _deep_gemm_nt(a: Fp8Act, b: Tensor, b_scale: Tensor, out: Tensor) -> Tensor:
+    dg = _deep_gemm()
+    if hasattr(dg, "fp8_gemm_nt"):  # deep_gemm >= 2 lays the scales out itself
+        dg.fp8_gemm_nt((a.data, a.scale), (b, b_scale), out)
+    else:
+        dg.gemm_fp8_fp8_bf16_nt((a.data, dg.get_col_major_tma_aligned_tensor(a.scale)), (b, b_scale), out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_nt(a: Fp8Act, b: Tensor, b_scale: Tensor, offs: Tensor | None) -> None:
+    if a.data.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise ValueError(f"a, b: expected {FP8_DTYPE}, got {a.data.dtype} and {b.dtype}")
+    if a.data.dim() != 2:
+        raise ValueError(f"a: expected [M, K], got shape {tuple(a.data.shape)}")
+    M, K = a.data.shape
+    if b.shape[-1] != K:
+        raise ValueError(f"b: expected K = {K} in its last dim, got shape {tuple(b.shape)}")
+    if (b.dim() == 3) != (offs is not None):
+        raise ValueError(
+            f"offs: a grouped GEMM takes b [experts, N, K] and offs; got b {tuple(b.shape)}, offs {offs}"
+        )
+    if b.dim() not in (2, 3) or not b.is_contiguous() or not a.data.is_contiguous():
+        raise ValueError(f"a, b: expected contiguous [M, K] and [(experts,) N, K], got {tuple(b.shape)}")
+    if offs is not None and offs.numel() != b.shape[0]:
+        raise ValueError(f"offs: {offs.numel()} experts, but b has {b.shape[0]}")
+    want = (*b.shape[:-2], cdiv(b.shape[-2], GROUP), cdiv(K, GROUP))
+    if tuple(b_scale.shape) != want:
+        raise ValueError(f"b_scale: expected shape {want}, got {tuple(b_scale.shape)}")
+    if tuple(a.scale.shape) != (M, cdiv(K, GROUP)):
+        raise ValueError(f"a.scale: expected shape {(M, cdiv(K, GROUP))}, got {tuple(a.scale.shape)}")
+    if K % 16:
+        raise ValueError(f"K: must be a multiple of 16 (TMA rows are 16-byte aligned), got {K}")
+
+
+def fp8_gemm_nt(
+    a: Fp8Act,
+    b: Tensor,
+    b_scale: Tensor,
+    offs: Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+    config: GemmConfig | None = None,
+) -> Tensor:
+    """C = A @ B^T, block-scaled FP8 in, FP32 accumulation, ``out_dtype`` out.
+
+    a:       Fp8Act [M, K] (1x128 scales)
+    b:       [N, K] or, grouped, [experts, N, K] float8_e4m3fn; b_scale [(experts,) cdiv(N,128), cdiv(K,128)]
+    offs:    [experts] int32 cumulative end rows of each expert's tokens in ``a`` (grouped only);
+             rows at or past offs[-1] are not written
+    returns: [M, N] ``out_dtype``
+    """
+    from fmoe.kernels.fp8_quant import check_offs
+
+    if offs is not None:
+        offs = check_offs(offs, a.data.shape[0])
+    _check_nt(a, b, b_scale, offs)
+    M, K = a.data.shape
+    N = b.shape[-2]
+    grouped = offs is not None
+    which = _backend(backend, a.data, b, out_dtype, grouped)
+    if which == "torch":
+        return fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
+    out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    if which == "deep_gemm":
+        return _deep_gemm_nt(a, b, b_scale, out)
+    cfg = config or _default_config(a.data, wgrad=False)
+    E = b.shape[0] if grouped else 1
+    b2 = b.view(-1, K)
+    a_desc = TensorDescriptor.from_tensor(a.data, [cfg.block_m, GROUP])
+    b_desc = TensorDescriptor.from_tensor(b2, [cfg.block_n, GROUP])
+    sb = b_scale if grouped else b_scale[None]
+    if grouped:
+        tm = tile_map(offs, M, cfg.block_m)
+        tiles = (tm.expert, tm.row, tm.group_end, tm.cap)
+    else:
+        tiles = (a.scale, a.scale, a.scale, cdiv(M, cfg.block_m))  # unused pointers
+    num_tiles = tiles[3] * cdiv(N, cfg.block_n)
+    programs = max(1, min(num_tiles, cfg.programs_per_sm * num_sms(a.data.device)))
+    _nt_kernel[(programs,)](
+        a_desc, b_desc, out, a.scale, sb, tiles[0], tiles[1], tiles[2],
+        M, N, K, E, tiles[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
+        sb.stride(0), sb.stride(1), sb.stride(2),
+        GROUPED=grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemm_wgrad(
+    a: Fp8ActT,
+    b: Fp8ActT,
+    *,
+    grouped: bool,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+    config: GemmConfig | None = None,
+) -> Tensor:
+    """C[e] = A_e @ B_e^T over each expert's tokens (the weight-gradient GEMM, dW = dY^T X).
+
+    a:       Fp8ActT of dy: data [M, cap] (M = out features), b: Fp8ActT of x: data [N, cap]
+             (N = in features), quantized with the same expert offsets
+    grouped: return [experts, M, N]; else there must be one expert and the result is [M, N]
+    """
+    if a.data.dtype != FP8_DTYPE or b.data.dtype != FP8_DTYPE:
+        raise ValueError(f"a, b: expected {FP8_DTYPE}, got {a.data.dtype} and {b.data.dtype}")
+    if a.data.shape[1] != b.data.shape[1] or a.group_len.shape != b.group_len.shape:
+        raise ValueError(
+            f"a, b: token-transposed operands of different groupings: {tuple(a.data.shape)} with "
+            f"{a.group_len.numel()} experts vs {tuple(b.data.shape)} with {b.group_len.numel()}"
+        )
+    E = a.group_len.numel()
+    if not grouped and E != 1:
+        raise ValueError(f"grouped: False needs one token group, got {E}")
+    M, N = a.data.shape[0], b.data.shape[0]
+    which = _backend(backend, a.data, b.data, out_dtype, grouped=True)  # deep_gemm: not for wgrad here
+    if which == "torch":
+        out = fp8_gemm_wgrad_reference(a, b, out_dtype=out_dtype)
+    else:
+        out = torch.empty(E, M, N, dtype=out_dtype, device=a.data.device)
+        if out.numel() > 0:
+            cfg = config or _default_config(a.data, wgrad=True)
+            a_desc = TensorDescriptor.from_tensor(a.data, [cfg.block_m, GROUP])
+            b_desc = TensorDescriptor.from_tensor(b.data, [cfg.block_n, GROUP])
+            num_tiles = E * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+            programs = max(1, min(num_tiles, cfg.programs_per_sm * num_sms(a.data.device)))
+            _wgrad_kernel[(programs,)](
+                a_desc, b_desc, out, a.scale, b.scale, a.group_start, a.group_len, M, N, E,
+                cdiv(M, cfg.block_m), cdiv(N, cfg.block_n),
+                out.stride(0), out.stride(1), a.scale.stride(1), a.scale.stride(0),
+                b.scale.stride(1), b.scale.stride(0),
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
+                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    return out if grouped else out[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# References: the same products on dequantized inputs, in FP32
+
+
+def _dequantize_blocks(b: Tensor, b_scale: Tensor) -> Tensor:
+    N, K = b.shape[-2:]
+    s = b_scale.repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)
+    return b.float() * s[..., :N, :K]
+
+
+def fp8_gemm_nt_reference(
+    a: Fp8Act,
+    b: Tensor,
+    b_scale: Tensor,
+    offs: Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """fp8_gemm_nt on dequantized inputs; rows past offs[-1] are zero."""
+    x = dequantize_act(a)
+    w = _dequantize_blocks(b, b_scale)
+    if offs is None:
+        return (x @ w.t()).to(out_dtype)
+    out = x.new_zeros(x.shape[0], w.shape[-2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e].t()
+        start = end
+    return out.to(out_dtype)
+
+
+def fp8_gemm_wgrad_reference(a: Fp8ActT, b: Fp8ActT, *, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """fp8_gemm_wgrad on dequantized inputs: [experts, M, N]."""
+    x, y = dequantize_act_t(a), dequantize_act_t(b)
+    out = x.new_zeros(a.group_len.numel(), x.shape[0], y.shape[0])
+    for e, (start, length) in enumerate(zip(a.group_start.tolist(), a.group_len.tolist())):
+        out[e] = x[:, start : start + length] @ y[:, start : start + length].t()
+    return out.to(out_dtype)

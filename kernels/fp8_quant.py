@@ -1,0 +1,509 @@
+"""FP8 (E4M3) quantization with FP32 scales, DeepSeek-V3's recipe.
+
+Three layouts, each a frozen container of tensors:
+- ``Fp8Act``: activations / output gradients, 1x128 groups along the last (feature) dim. Feeds the
+  forward and input-gradient GEMMs as their left operand.
+- ``Fp8ActT``: the same tensor transposed, 1x128 groups along *tokens*, each expert's token range
+  padded to a multiple of 128 tokens with zeros, so that no scale group straddles two experts.
+  Feeds the weight-gradient GEMM (dW = dY^T X reduces over tokens). Written by a fused kernel that
+  reads the input once and can also write the ``Fp8Act`` layout in the same pass.
+- ``Fp8Weight``: 128x128 blocks, stored both as ``[out, in]`` (forward) and ``[in, out]`` (input
+  gradient). A 128x128 block is the same block after transposition, so both copies share their
+  values; the weight is quantized once per optimizer step and reused across microbatches.
+
+A value ``v`` of a group with absolute maximum ``amax`` is stored as
+``q = e4m3(clamp(v * (1 / s), -448, 448))`` with ``s = max(amax, 1e-12) / 448`` (``s`` rounded up to
+a power of two when ``pow2_scales``), and read back as ``q * s``. Every kernel here writes exactly
+the bits of its ``*_reference``: divisions are IEEE (``div_rn``), and under the interpreter, whose
+float8 cast does not round to nearest-even, the cast is done with integer arithmetic instead.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from fmoe.kernels._triton import interpreting, tl, triton, use_triton
+from torch import Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128  # elements per scale group (1x128) and block side (128x128)
+AMAX_EPS = 1e-12  # floor of a group's amax, so an all-zero group gets a finite scale
+
+# Launch shapes of the memory-bound kernels (measured on one H200, benchmarks/bench_fp8.py)
+ROWS_BLOCK_R, ROWS_WARPS = 32, 4  # _quant_rows_kernel: rows x 128 columns per program
+TILES_WARPS = 8  # _quant_tiles_kernel: 128 x 128 per program
+WEIGHT_WARPS = 8
+
+
+@dataclass(frozen=True)
+class Fp8Act:
+    """Row-quantized activation (1x128 groups along the last dim).
+
+    data:  [rows, cols] float8_e4m3fn
+    scale: [rows, cdiv(cols, 128)] float32, column-major (stride (1, rows)) so a GEMM tile reads
+           its rows' scales of one K-block contiguously
+    """
+
+    data: Tensor
+    scale: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+@dataclass(frozen=True)
+class Fp8ActT:
+    """Token-transposed activation (1x128 groups along tokens), per-expert padded to 128 tokens.
+
+    data:        [cols, cap] float8_e4m3fn; expert e's tokens are columns
+                 [group_start[e], group_start[e] + group_len[e]), the padding and the tail are zeros
+    scale:       [cols, cap / 128] float32, column-major (stride (1, cols))
+    group_start: [experts] int32, multiples of 128
+    group_len:   [experts] int32, multiples of 128 (0 for an empty expert)
+    """
+
+    data: Tensor
+    scale: Tensor
+    group_start: Tensor
+    group_len: Tensor
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A weight quantized in 128x128 blocks, in the two layouts the forward and input-gradient GEMMs read.
+
+    data:    [out, in] or [experts, out, in] float8_e4m3fn
+    scale:   [cdiv(out, 128), cdiv(in, 128)] (or with a leading experts dim) float32
+    data_t:  [in, out] or [experts, in, out] float8_e4m3fn (the same values, transposed)
+    scale_t: [cdiv(in, 128), cdiv(out, 128)] (or with a leading experts dim) float32
+    """
+
+    data: Tensor
+    scale: Tensor
+    data_t: Tensor
+    scale_t: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton device helpers
+
+
+@triton.jit
+def _scales(amax, POW2: tl.constexpr):
+    """Dequantization scale and its reciprocal for groups with absolute maximum ``amax`` (fp32)."""
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)  # AMAX_EPS, FP8_MAX
+    if POW2:
+        # round up to a power of two on the bits: exact, and the same on every backend
+        s = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return s, tl.math.div_rn(1.0, s)
+
+
+@triton.jit
+def _e4m3_bits(v, EMULATE: tl.constexpr):
+    """fp32 -> E4M3 (round to nearest even, saturating at 448), returned as uint8 bits.
+
+    ``EMULATE`` does the rounding with integer arithmetic: Triton's interpreter truncates instead
+    of rounding to nearest even, and the tests compare bits with torch's cast.
+    """
+    v = tl.clamp(v, -448.0, 448.0)
+    if EMULATE:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        # normal range (|v| >= 2^-6): keep 3 mantissa bits with a round-to-nearest-even carry,
+        # rebias the exponent from 127 to 7
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+        # subnormals are multiples of 2^-9: round |v| * 2^9 to an integer (nearest even via 2^23)
+        y = a.to(tl.float32, bitcast=True) * 512.0
+        sub = ((y + 8388608.0) - 8388608.0).to(tl.int32)
+        code = tl.where(a < 0x3C800000, sub, normal)
+        return (code | sign).to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """SwiGLU's elementwise product silu(g) * u, in fp32."""
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE: tl.constexpr):
+    """A [rows, cols] tile of the tensor being quantized, in fp32.
+
+    PROLOGUE 0: x itself. PROLOGUE 1: SwiGLU of x = [gate | up] (columns c and half + c).
+    """
+    base = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
+    if PROLOGUE == 1:
+        g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+        # rounded to x's dtype first, so that the fused kernel quantizes what swiglu() returns
+        return _silu_mul(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        return tl.load(base, mask=mask, other=0.0).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    half,
+    PROLOGUE: tl.constexpr,
+    POW2: tl.constexpr,
+    EMULATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """1x128 groups: program (i, kb) quantizes rows [i*BLOCK_R, +BLOCK_R) x columns [kb*128, +128)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < K)
+    v = _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE)
+    s, inv = _scales(tl.max(tl.abs(v), axis=1), POW2)
+    bits = _e4m3_bits(v * inv[:, None], EMULATE)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits, mask=mask)
+    tl.store(s_ptr + kb * M + rows, s, mask=rmask)
+
+
+@triton.jit
+def _quant_tiles_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    group_end_ptr,
+    M,
+    K,
+    E,
+    stride_xm,
+    stride_qm,
+    stride_qtk,
+    half,
+    PROLOGUE: tl.constexpr,
+    ROWS: tl.constexpr,
+    POW2: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """Token tiles of 128 rows within one expert x 128 columns: reads the tile once and writes its
+    token-transposed quantization (columns [t*128, +128) of ``qt``) and, if ``ROWS``, its 1x128
+    row quantization. Tiles past the last expert write zeros, so ``qt`` is defined everywhere."""
+    t = tl.program_id(0)
+    kb = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + t)
+    row0 = tl.load(tile_row_ptr + t)
+    end = tl.where(e < E, tl.load(group_end_ptr + tl.minimum(e, E - 1)), row0)
+    r = tl.arange(0, 128)
+    rows = row0 + r
+    cols = kb * 128 + tl.arange(0, 128)
+    rmask = rows < end
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    v = _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE)
+
+    s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
+    bits_t = _e4m3_bits(v * inv_t[None, :], EMULATE)
+    tok = t * 128 + r
+    tl.store(qt_ptr + cols[None, :].to(tl.int64) * stride_qtk + tok[:, None], bits_t, mask=cmask[None, :])
+    tl.store(st_ptr + t * K + cols, s_t, mask=cmask)
+
+    if ROWS:
+        s_r, inv_r = _scales(tl.max(tl.abs(v), axis=1), POW2)
+        bits_r = _e4m3_bits(v * inv_r[:, None], EMULATE)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits_r, mask=mask)
+        tl.store(s_ptr + kb * M + rows, s_r, mask=rmask)
+
+
+@triton.jit
+def _quant_weight_kernel(
+    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, POW2: tl.constexpr, EMULATE: tl.constexpr
+):
+    """One 128x128 block of expert e's [N, K] weight -> its bits in [N, K] and [K, N], one scale."""
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rows = nb * 128 + tl.arange(0, 128)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    off = e * N * K + rows[:, None] * K + cols[None, :]
+    v = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    s, inv = _scales(tl.max(tl.max(tl.abs(v), axis=1), axis=0), POW2)
+    bits = _e4m3_bits(v * inv, EMULATE)
+    tl.store(q_ptr + off, bits, mask=mask)
+    tl.store(qt_ptr + e * N * K + cols[None, :] * N + rows[:, None], bits, mask=mask)
+    nbs = tl.cdiv(N, 128)
+    kbs = tl.cdiv(K, 128)
+    tl.store(s_ptr + e * nbs * kbs + nb * kbs + kb, s)
+    tl.store(st_ptr + e * nbs * kbs + kb * nbs + nb, s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert groups -> tiles
+
+
+def check_offs(offs: Tensor, rows: int, name: str = "offs") -> Tensor:
+    """Validate cumulative expert end offsets ([experts] int32, as torch._grouped_mm takes them)."""
+    if offs.dim() != 1 or offs.numel() == 0:
+        raise ValueError(
+            f"{name}: expected a 1-D tensor of cumulative expert end offsets, got shape {tuple(offs.shape)}"
+        )
+    if offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected int32 offsets, got {offs.dtype}")
+    if offs.device.type == "cpu":  # free to check here; on a GPU it would cost a sync
+        if bool((offs[1:] < offs[:-1]).any()) or int(offs[0]) < 0:
+            raise ValueError(f"{name}: offsets must be non-decreasing and non-negative, got {offs.tolist()}")
+        if int(offs[-1]) != rows:
+            raise ValueError(
+                f"{name}: the last offset ({int(offs[-1])}) must equal the number of rows ({rows})"
+            )
+    return offs.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """Tiles of ``tile`` rows that never straddle two experts, computed on the device (no sync).
+
+    expert:      [cap] int32, the expert of each tile; ``experts`` for tiles past the last one
+    row:         [cap] int32, the first row of each tile
+    group_end:   [experts] int32, the end row of each expert (= offs)
+    first_tile:  [experts] int32, index of each expert's first tile
+    num_tiles:   [experts] int32, tiles per expert
+    cap:         an upper bound of the number of tiles, cdiv(rows, tile) + experts - 1
+    """
+
+    expert: Tensor
+    row: Tensor
+    group_end: Tensor
+    first_tile: Tensor
+    num_tiles: Tensor
+    cap: int
+
+
+def tile_map(offs: Tensor, rows: int, tile: int) -> TileMap:
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    ntiles = (ends - starts).clamp_min(0).add(tile - 1).div(tile, rounding_mode="floor")
+    cum = torch.cumsum(ntiles, 0)
+    first = cum - ntiles
+    cap = max(cdiv(rows, tile) + offs.numel() - 1, 1)
+    t = torch.arange(cap, device=offs.device)
+    expert = torch.searchsorted(cum, t, right=True)
+    e = expert.clamp_max(offs.numel() - 1)
+    row = starts[e] + (t - first[e]) * tile
+    i32 = torch.int32
+    return TileMap(expert.to(i32), row.to(i32), ends.to(i32), first.to(i32), ntiles.to(i32), cap)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _check_2d(x: Tensor, name: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D [tokens, features] tensor, got shape {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous, got strides {x.stride()}")
+
+
+def _empty_scale(rows: int, cols: int, device) -> Tensor:
+    """A [rows, cols] float32 tensor with column-major strides (1, rows)."""
+    return torch.empty(cols, rows, dtype=torch.float32, device=device).t()
+
+
+def quantize_act(x: Tensor, *, pow2_scales: bool = False) -> Fp8Act:
+    """x: [tokens, features] bf16/fp32 -> Fp8Act with 1x128 groups along features."""
+    _check_2d(x, "x")
+    if not use_triton(x):
+        return quantize_act_reference(x, pow2_scales=pow2_scales)
+    return _launch_rows(x, x.shape[1], 0, 0, pow2_scales)
+
+
+def _launch_rows(x: Tensor, K: int, half: int, prologue: int, pow2: bool) -> Fp8Act:
+    M = x.shape[0]
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = _empty_scale(M, cdiv(K, GROUP), x.device)
+    block_r = ROWS_BLOCK_R
+    grid = (cdiv(M, block_r), cdiv(K, GROUP))
+    if M > 0 and K > 0:
+        _quant_rows_kernel[grid](
+            x, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), half,
+            PROLOGUE=prologue, POW2=pow2, EMULATE=interpreting(), BLOCK_R=block_r, num_warps=ROWS_WARPS,
+        )  # fmt: skip
+    return Fp8Act(q, s)
+
+
+def quantize_act_t(
+    x: Tensor, offs: Tensor | None = None, *, pow2_scales: bool = False, with_rows: bool = False
+) -> Fp8ActT | tuple[Fp8Act, Fp8ActT]:
+    """x: [tokens, features] -> Fp8ActT (groups along tokens, per expert), reading x once.
+
+    offs: [experts] int32 cumulative end offsets of expert-grouped tokens (None: one group).
+    with_rows: also return the Fp8Act of x from the same pass, as ``(Fp8Act, Fp8ActT)``.
+    """
+    _check_2d(x, "x")
+    offs = _default_offs(x, offs)
+    if not use_triton(x):
+        return quantize_act_t_reference(x, offs, pow2_scales=pow2_scales, with_rows=with_rows)
+    return _launch_tiles(x, x.shape[1], 0, 0, offs, pow2_scales, with_rows)
+
+
+def _default_offs(x: Tensor, offs: Tensor | None) -> Tensor:
+    if offs is None:
+        return torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    if offs.device != x.device:
+        raise ValueError(f"offs: on {offs.device}, but the tokens are on {x.device}")
+    return check_offs(offs, x.shape[0])
+
+
+def _launch_tiles(x: Tensor, K: int, half: int, prologue: int, offs: Tensor, pow2: bool, rows: bool):
+    M = x.shape[0]
+    E = offs.numel()
+    tm = tile_map(offs, M, GROUP)
+    cap = tm.cap * GROUP
+    qt = torch.empty(K, cap, dtype=FP8_DTYPE, device=x.device)
+    st = _empty_scale(K, tm.cap, x.device)
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device) if rows else qt
+    s = _empty_scale(M, cdiv(K, GROUP), x.device) if rows else st
+    if K > 0:
+        _quant_tiles_kernel[(tm.cap, cdiv(K, GROUP))](
+            x, q.view(torch.uint8), s, qt.view(torch.uint8), st, tm.expert, tm.row, tm.group_end,
+            M, K, E, x.stride(0), q.stride(0), qt.stride(0), half,
+            PROLOGUE=prologue, ROWS=rows, POW2=pow2, EMULATE=interpreting(), num_warps=TILES_WARPS,
+        )  # fmt: skip
+    out_t = Fp8ActT(qt, st, tm.first_tile * GROUP, tm.num_tiles * GROUP)
+    return (Fp8Act(q, s), out_t) if rows else out_t
+
+
+def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
+    """w: [out, in] or [experts, out, in] (bf16/fp32) -> Fp8Weight with 128x128 block scales."""
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w: expected [out, in] or [experts, out, in], got shape {tuple(w.shape)}")
+    if not use_triton(w):
+        return quantize_weight_reference(w, pow2_scales=pow2_scales)
+    w3 = w.contiguous().view(-1, *w.shape[-2:])
+    E, N, K = w3.shape
+    NB, KB = cdiv(N, GROUP), cdiv(K, GROUP)
+    q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(E, NB, KB, dtype=torch.float32, device=w.device)
+    st = torch.empty(E, KB, NB, dtype=torch.float32, device=w.device)
+    if w3.numel() > 0:
+        _quant_weight_kernel[(NB, KB, E)](
+            w3, q.view(torch.uint8), qt.view(torch.uint8), s, st, N, K,
+            POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
+        )  # fmt: skip
+    if w.dim() == 2:
+        q, qt, s, st = q[0], qt[0], s[0], st[0]
+    return Fp8Weight(q, s, qt, st)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-torch references (and the CPU path)
+
+
+def _scales_reference(amax: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    s = amax.float().clamp_min(AMAX_EPS) / FP8_MAX
+    if pow2:
+        s = ((s.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+    return s, 1.0 / s
+
+
+def _cast_reference(v: Tensor) -> Tensor:
+    return v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _pad_to(x: Tensor, dim: int, multiple: int) -> Tensor:
+    pad = (-x.shape[dim]) % multiple
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _quantize_groups_last(x: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
+    """x: [..., n] fp32 -> (q [..., n] fp8, s [..., cdiv(n, 128)]) with 1x128 groups along the last dim."""
+    n = x.shape[-1]
+    g = _pad_to(x, -1, GROUP).unflatten(-1, (-1, GROUP))
+    s, inv = _scales_reference(g.abs().amax(-1), pow2)
+    q = _cast_reference(g * inv[..., None]).flatten(-2)[..., :n]
+    return q, s
+
+
+def _col_major(s: Tensor) -> Tensor:
+    return s.t().contiguous().t()
+
+
+def quantize_act_reference(x: Tensor, *, pow2_scales: bool = False) -> Fp8Act:
+    q, s = _quantize_groups_last(x.float(), pow2_scales)
+    return Fp8Act(q, _col_major(s))
+
+
+def quantize_act_t_reference(
+    x: Tensor, offs: Tensor | None = None, *, pow2_scales: bool = False, with_rows: bool = False
+) -> Fp8ActT | tuple[Fp8Act, Fp8ActT]:
+    offs = _default_offs(x, offs)
+    M, K = x.shape
+    tm = tile_map(offs, M, GROUP)
+    # token-major copy with each expert's rows moved to its padded slot; padding and tail are zero
+    xp = x.new_zeros(tm.cap * GROUP, K, dtype=torch.float32)
+    ends = offs.tolist()
+    for e, (first, end) in enumerate(zip(tm.first_tile.tolist(), ends)):
+        start = ends[e - 1] if e > 0 else 0
+        xp[first * GROUP : first * GROUP + end - start] = x[start:end].float()
+    qt, st = _quantize_groups_last(xp.t(), pow2_scales)
+    out_t = Fp8ActT(qt.contiguous(), _col_major(st), tm.first_tile * GROUP, tm.num_tiles * GROUP)
+    return (quantize_act_reference(x, pow2_scales=pow2_scales), out_t) if with_rows else out_t
+
+
+def quantize_weight_reference(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
+    w3 = w.float().reshape(-1, *w.shape[-2:])
+    E, N, K = w3.shape
+    blocks = _pad_to(_pad_to(w3, 1, GROUP), 2, GROUP)
+    blocks = blocks.unflatten(2, (-1, GROUP)).unflatten(1, (-1, GROUP))  # [E, NB, 128, KB, 128]
+    s, inv = _scales_reference(blocks.abs().amax(dim=(2, 4)), pow2_scales)  # [E, NB, KB]
+    q = _cast_reference(blocks * inv[:, :, None, :, None]).flatten(3).flatten(1, 2)[:, :N, :K]
+    qt, st = q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()
+    if w.dim() == 2:
+        q, s, qt, st = q[0], s[0], qt[0], st[0]
+    return Fp8Weight(q.contiguous(), s.contiguous(), qt, st)
+
+
+def dequantize_act(a: Fp8Act) -> Tensor:
+    """Fp8Act -> [rows, cols] fp32."""
+    n = a.data.shape[-1]
+    return (a.data.float() * a.scale.repeat_interleave(GROUP, dim=-1)[..., :n]).contiguous()
+
+
+def dequantize_act_t(a: Fp8ActT) -> Tensor:
+    """Fp8ActT -> [cols, cap] fp32 (expert segments padded with zeros, as stored)."""
+    return a.data.float() * a.scale.repeat_interleave(GROUP, dim=-1)
+
+
+def dequantize_weight(w: Fp8Weight) -> Tensor:
+    """Fp8Weight -> [out, in] or [experts, out, in] fp32."""
+    N, K = w.data.shape[-2:]
+    s = w.scale.repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)
+    return w.data.float() * s[..., :N, :K]

@@ -1,0 +1,321 @@
+"""Fused elementwise kernels where fusion saves memory traffic: SwiGLU (+ FP8 quantization of its
+output) and RMSNorm (+ FP8 quantization of its output), each beside its plain-torch reference.
+
+SwiGLU takes ``h = [gate | up]`` (``[tokens, 2 * inter]``, the output of the fused gate/up
+projection) and returns ``silu(gate) * up``. ``swiglu_quant`` writes that product straight to FP8
+(1x128 groups, and if asked the token-transposed per-expert layout the weight-gradient GEMM reads)
+without the bf16 round trip through memory; its bits equal ``quantize_act(swiglu(h))``.
+RMSNorm's backward writes per-program partial sums of the weight gradient and adds them with torch,
+so the result does not depend on atomics.
+"""
+
+import torch
+from fmoe.kernels._triton import interpreting, num_sms, tl, triton, use_triton
+from fmoe.kernels.fp8_quant import (
+    GROUP,
+    Fp8Act,
+    Fp8ActT,
+    _default_offs,
+    _e4m3_bits,
+    _empty_scale,
+    _launch_rows,
+    _launch_tiles,
+    _scales,
+    _silu_mul,
+    cdiv,
+    quantize_act_reference,
+    quantize_act_t_reference,
+)
+from torch import Tensor
+
+# ----------------------------------------------------------------------------------------------
+# SwiGLU
+
+
+@triton.jit
+def _swiglu_kernel(h_ptr, a_ptr, M, I, stride_hm, stride_am, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < M) & (cols[None, :] < I)
+    hp = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
+    g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+    a = _silu_mul(g, u)
+    tl.store(
+        a_ptr + rows[:, None].to(tl.int64) * stride_am + cols[None, :],
+        a.to(a_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    h_ptr,
+    da_ptr,
+    dh_ptr,
+    M,
+    I,
+    stride_hm,
+    stride_dam,
+    stride_dhm,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < M) & (cols[None, :] < I)
+    r64 = rows[:, None].to(tl.int64)
+    hp = h_ptr + r64 * stride_hm + cols[None, :]
+    g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + r64 * stride_dam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    dg = da * u * sig * (1.0 + g * (1.0 - sig))
+    du = da * g * sig
+    dp = dh_ptr + r64 * stride_dhm + cols[None, :]
+    tl.store(dp, dg.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dp + I, du.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_h(h: Tensor) -> int:
+    if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1:
+        raise ValueError(
+            f"h: expected a [tokens, 2 * inter] tensor with a contiguous last dim, got {tuple(h.shape)}"
+        )
+    return h.shape[1] // 2
+
+
+def swiglu(h: Tensor) -> Tensor:
+    """h: [tokens, 2 * inter] = [gate | up] -> silu(gate) * up: [tokens, inter], h's dtype."""
+    inter = _check_h(h)
+    if not use_triton(h):
+        return swiglu_reference(h)
+    M = h.shape[0]
+    a = torch.empty(M, inter, dtype=h.dtype, device=h.device)
+    if a.numel():
+        _swiglu_kernel[(cdiv(M, 32), cdiv(inter, 128))](
+            h, a, M, inter, h.stride(0), a.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4
+        )
+    return a
+
+
+def swiglu_backward(h: Tensor, da: Tensor) -> Tensor:
+    """Input gradient of swiglu: h [tokens, 2 * inter], da [tokens, inter] -> dh [tokens, 2 * inter]."""
+    inter = _check_h(h)
+    if da.shape != (h.shape[0], inter) or da.stride(1) != 1:
+        raise ValueError(
+            f"da: expected shape {(h.shape[0], inter)} with a contiguous last dim, got {tuple(da.shape)}"
+        )
+    if not use_triton(h):
+        return swiglu_backward_reference(h, da)
+    M = h.shape[0]
+    dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    if dh.numel():
+        _swiglu_bwd_kernel[(cdiv(M, 32), cdiv(inter, 128))](
+            h, da, dh, M, inter, h.stride(0), da.stride(0), dh.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4
+        )
+    return dh
+
+
+def swiglu_quant(
+    h: Tensor, offs: Tensor | None = None, *, with_t: bool = False, pow2_scales: bool = False
+) -> Fp8Act | tuple[Fp8Act, Fp8ActT]:
+    """swiglu(h) straight to FP8, reading h once.
+
+    h:      [tokens, 2 * inter] = [gate | up]
+    offs:   [experts] int32 cumulative expert end offsets (for ``with_t``; None: one group)
+    with_t: also write the token-transposed per-expert layout -> ``(Fp8Act, Fp8ActT)``
+    The bits equal ``quantize_act(swiglu(h))`` (and ``quantize_act_t`` of it).
+    """
+    inter = _check_h(h)
+    if not use_triton(h):
+        return swiglu_quant_reference(h, offs, with_t=with_t, pow2_scales=pow2_scales)
+    if with_t:
+        return _launch_tiles(h, inter, inter, 1, _default_offs(h, offs), pow2_scales, True)
+    return _launch_rows(h, inter, inter, 1, pow2_scales)
+
+
+def swiglu_reference(h: Tensor) -> Tensor:
+    g, u = h.float().chunk(2, dim=-1)
+    return (g * torch.sigmoid(g) * u).to(h.dtype)
+
+
+def swiglu_backward_reference(h: Tensor, da: Tensor) -> Tensor:
+    g, u = h.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(g)
+    da = da.float()
+    return torch.cat([da * u * sig * (1 + g * (1 - sig)), da * g * sig], dim=-1).to(h.dtype)
+
+
+def swiglu_quant_reference(
+    h: Tensor, offs: Tensor | None = None, *, with_t: bool = False, pow2_scales: bool = False
+) -> Fp8Act | tuple[Fp8Act, Fp8ActT]:
+    a = swiglu_reference(h)
+    if with_t:
+        return quantize_act_t_reference(a, offs, pow2_scales=pow2_scales, with_rows=True)
+    return quantize_act_reference(a, pow2_scales=pow2_scales)
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rstd_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    H,
+    eps,
+    stride_xm,
+    stride_ym,
+    QUANT: tl.constexpr,
+    POW2: tl.constexpr,
+    EMULATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < H)
+    r64 = rows[:, None].to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / H + eps))
+    y = (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r64 * stride_ym + cols[None, :], y, mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    if QUANT:
+        # 1x128 groups of the rounded output, so the bits equal quantize_act(y)
+        G: tl.constexpr = BLOCK_H // 128
+        y3 = tl.reshape(y.to(tl.float32), (BLOCK_R, G, 128))
+        s, inv = _scales(tl.max(tl.abs(y3), axis=2), POW2)
+        bits = tl.reshape(_e4m3_bits(y3 * inv[:, :, None], EMULATE), (BLOCK_R, BLOCK_H))
+        tl.store(q_ptr + r64 * H + cols[None, :], bits, mask=mask)
+        g = tl.arange(0, G)
+        tl.store(s_ptr + g[None, :] * M + rows[:, None], s, mask=rmask[:, None] & (g[None, :] * 128 < H))
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_ptr,
+    M,
+    H,
+    stride_dym,
+    stride_xm,
+    stride_dxm,
+    iters,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Program p takes row blocks p, p + NUM_PROGRAMS, ...; writes its partial dw row."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for i in range(iters):
+        rows = (i * NUM_PROGRAMS + pid) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows[:, None].to(tl.int64)
+        dy = tl.load(dy_ptr + r64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]
+        wdy = w[None, :] * dy
+        c = tl.sum(xhat * wdy, axis=1) / H
+        dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + r64 * stride_dxm + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+    tl.store(dw_ptr + pid * H + cols, dw, mask=cmask)
+
+
+def _check_norm(x: Tensor, w: Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x: expected [tokens, hidden] with a contiguous last dim, got {tuple(x.shape)}")
+    if w.shape != (x.shape[1],):
+        raise ValueError(f"w: expected shape ({x.shape[1]},), got {tuple(w.shape)}")
+
+
+def rmsnorm(
+    x: Tensor, w: Tensor, eps: float = 1e-6, *, quantize: bool = False, pow2_scales: bool = False
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Fp8Act]:
+    """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w.
+
+    x: [tokens, hidden], w: [hidden] -> y [tokens, hidden] (x's dtype), rstd [tokens] float32,
+    and with ``quantize`` also Fp8Act(y) (1x128 groups) from the same pass.
+    """
+    _check_norm(x, w)
+    if not use_triton(x):
+        return rmsnorm_reference(x, w, eps, quantize=quantize, pow2_scales=pow2_scales)
+    M, H = x.shape
+    w = w.contiguous()
+    y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    q = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x.device) if quantize else y
+    s = _empty_scale(M, cdiv(H, GROUP), x.device) if quantize else rstd
+    block_h = max(triton.next_power_of_2(H), GROUP)
+    block_r = max(1, min(16, 4096 // block_h))
+    if M:
+        _rmsnorm_kernel[(cdiv(M, block_r),)](
+            x, w, y, rstd, q.view(torch.uint8) if quantize else q, s, M, H, eps, x.stride(0), y.stride(0),
+            QUANT=quantize, POW2=pow2_scales, EMULATE=interpreting(), BLOCK_R=block_r, BLOCK_H=block_h,
+            num_warps=8 if block_h >= 4096 else 4,
+        )  # fmt: skip
+    return (y, rstd, Fp8Act(q, s)) if quantize else (y, rstd)
+
+
+def rmsnorm_backward(dy: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of rmsnorm: dy, x [tokens, hidden], w [hidden], rstd [tokens] float32
+    -> dx [tokens, hidden] (x's dtype), dw [hidden] (w's dtype)."""
+    _check_norm(x, w)
+    if dy.shape != x.shape or dy.stride(1) != 1:
+        raise ValueError(
+            f"dy: expected shape {tuple(x.shape)} with a contiguous last dim, got {tuple(dy.shape)}"
+        )
+    if rstd.shape != (x.shape[0],) or rstd.dtype != torch.float32:
+        raise ValueError(f"rstd: expected [{x.shape[0]}] float32, got {tuple(rstd.shape)} {rstd.dtype}")
+    if not use_triton(x):
+        return rmsnorm_backward_reference(dy, x, w, rstd)
+    M, H = x.shape
+    block_h = triton.next_power_of_2(H)
+    block_r = max(1, min(16, 4096 // block_h))
+    programs = max(1, min(cdiv(M, block_r), 4 * num_sms(x.device)))
+    dx = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    partial = torch.empty(programs, H, dtype=torch.float32, device=x.device)
+    _rmsnorm_bwd_kernel[(programs,)](
+        dy, x, w.contiguous(), rstd, dx, partial, M, H, dy.stride(0), x.stride(0), dx.stride(0),
+        cdiv(cdiv(M, block_r), programs), NUM_PROGRAMS=programs, BLOCK_R=block_r, BLOCK_H=block_h,
+        num_warps=8 if block_h >= 4096 else 4,
+    )  # fmt: skip
+    return dx, partial.sum(0).to(w.dtype)
+
+
+def rmsnorm_reference(
+    x: Tensor, w: Tensor, eps: float = 1e-6, *, quantize: bool = False, pow2_scales: bool = False
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Fp8Act]:
+    xf = x.float()
+    rstd = 1.0 / torch.sqrt(xf.square().mean(-1) + eps)
+    y = (xf * rstd[:, None] * w.float()).to(x.dtype)
+    if quantize:
+        return y, rstd, quantize_act_reference(y, pow2_scales=pow2_scales)
+    return y, rstd
+
+
+def rmsnorm_backward_reference(dy: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    xhat = x.float() * rstd[:, None]
+    wdy = w.float() * dy.float()
+    dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
+    return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(w.dtype)

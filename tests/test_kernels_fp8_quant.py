@@ -1,0 +1,143 @@
+"""FP8 quantization kernels write exactly the bits (values and scales) of their torch references.
+
+Kernels run under the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 must be set before
+triton is imported; tests/conftest.py does, and so does this file when run on its own).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from fmoe.kernels import fp8_quant as fq  # noqa: E402
+from fmoe.kernels._triton import interpreting, use_triton  # noqa: E402
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 activations whose columns span 1e-9 .. 1e3, so groups hit E4M3 subnormals and 448."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-9, 3, cols)[torch.randperm(cols, generator=g)]
+    x[1, :] = 0.0  # an all-zero row: every group gets the floor scale
+    return x.to(torch.bfloat16)
+
+
+def test_kernels_run_in_the_interpreter_here():
+    # guards the other tests: they must exercise the Triton kernels, not the torch fallback
+    assert interpreting() and use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(100, 272), (33, 128)])
+def test_quantize_act_equals_reference_bitwise(shape, pow2):
+    x = _activations(*shape, seed=shape[0])
+    got, want = fq.quantize_act(x, pow2_scales=pow2), fq.quantize_act_reference(x, pow2_scales=pow2)
+    assert _bits_equal(got.data, want.data)
+    assert _bits_equal(got.scale, want.scale)
+    assert got.scale.shape == (shape[0], -(-shape[1] // 128)) and got.scale.stride(0) == 1
+
+
+def test_e4m3_cast_rounds_ties_to_even_like_torch():
+    # a group with amax 448 has scale 1, so the stored values are the inputs themselves: exact
+    # midpoints between neighbouring E4M3 values (normal and subnormal) test the rounding
+    codes = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 416
+    mid = (codes[:-1] + codes[1:]) / 2
+    row = torch.cat([torch.tensor([448.0]), mid, -mid, codes[:5] * 1.0001])[:384]
+    x = torch.nn.functional.pad(row, (0, 384 - row.numel()))[None].repeat(3, 1)
+    got, want = fq.quantize_act(x), fq.quantize_act_reference(x)
+    assert float(got.scale[0, 0]) == 1.0
+    assert _bits_equal(got.data, want.data)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_act_t_grouped_equals_reference_bitwise(pow2):
+    # unaligned expert boundaries, empty experts (first, middle, last)
+    x = _activations(333, 200, seed=3)
+    offs = torch.tensor([0, 50, 50, 300, 333, 333], dtype=torch.int32)
+    rows, cols = fq.quantize_act_t(x, offs, pow2_scales=pow2, with_rows=True)
+    rows_ref, cols_ref = fq.quantize_act_t_reference(x, offs, pow2_scales=pow2, with_rows=True)
+    for got, want in [(rows.data, rows_ref.data), (rows.scale, rows_ref.scale)]:
+        assert _bits_equal(got, want)
+    for got, want in [(cols.data, cols_ref.data), (cols.scale, cols_ref.scale)]:
+        assert _bits_equal(got, want)
+    assert cols.group_start.tolist() == [0, 0, 128, 128, 384, 512]
+    assert cols.group_len.tolist() == [0, 128, 0, 256, 128, 0]
+
+
+def test_quantize_act_t_pads_each_expert_with_zeros():
+    x = _activations(70, 128, seed=4)
+    offs = torch.tensor([30, 70], dtype=torch.int32)
+    cols = fq.quantize_act_t(x, offs)
+    deq = fq.dequantize_act_t(cols)  # [128, cap]
+    assert torch.equal(deq[:, 30:128], torch.zeros(128, 98))  # expert 0: 30 tokens, then padding
+    assert torch.equal(deq[:, 168:], torch.zeros(128, deq.shape[1] - 168))  # expert 1 padding and tail
+    # the stored values are x^T, quantized along tokens, in order
+    err = (deq[:, 128:168] - x[30:].float().t()).abs()
+    assert torch.all(err <= x[30:].float().t().abs() / 16 + cols.scale[:, 1:2] / 1024)
+
+
+def test_quantize_act_t_dense_is_one_group():
+    x = _activations(130, 256, seed=5)
+    cols = fq.quantize_act_t(x)
+    grouped = fq.quantize_act_t(x, torch.tensor([130], dtype=torch.int32))
+    assert _bits_equal(cols.data, grouped.data) and _bits_equal(cols.scale, grouped.scale)
+    assert cols.data.shape == (256, 256) and cols.group_len.tolist() == [256]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(200, 300), (3, 256, 130)])
+def test_quantize_weight_equals_reference_bitwise(shape, pow2):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 0.02
+    got, want = fq.quantize_weight(w, pow2_scales=pow2), fq.quantize_weight_reference(w, pow2_scales=pow2)
+    for name in ("data", "scale", "data_t", "scale_t"):
+        assert _bits_equal(getattr(got, name), getattr(want, name)), name
+    assert _bits_equal(got.data_t, got.data.transpose(-1, -2).contiguous())
+    assert torch.equal(got.scale_t, got.scale.transpose(-1, -2))
+
+
+def test_dequantized_values_are_within_half_an_e4m3_step():
+    # |q * s - x| <= 2^-4 |x| (3 mantissa bits) + s * 2^-10 (half the subnormal step)
+    x = _activations(64, 384, seed=8).float()
+    q = fq.quantize_act(x)
+    s = q.scale.repeat_interleave(128, dim=1)
+    err = (fq.dequantize_act(q) - x).abs()
+    assert torch.all(err <= x.abs() / 16 + s / 1024)
+    assert err.max() > 0  # the check is not vacuous
+
+
+def test_pow2_scales_are_powers_of_two_and_cover_amax():
+    x = _activations(16, 256, seed=9).float()
+    q = fq.quantize_act(x, pow2_scales=True)
+    mant, _ = torch.frexp(q.scale)
+    assert torch.all(mant == 0.5)
+    amax = x.abs().unflatten(1, (2, 128)).amax(-1).clamp_min(fq.AMAX_EPS)
+    assert torch.all(amax <= q.scale * fq.FP8_MAX)
+
+
+def test_bad_inputs_name_the_field():
+    x = torch.randn(10, 128)
+    with pytest.raises(ValueError, match="offs"):
+        fq.quantize_act_t(x, torch.tensor([4, 9], dtype=torch.int32))  # does not cover the 10 rows
+    with pytest.raises(ValueError, match="offs"):
+        fq.quantize_act_t(x, torch.tensor([6, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="x:"):
+        fq.quantize_act(torch.randn(10))
+    with pytest.raises(ValueError, match="w:"):
+        fq.quantize_weight(torch.randn(10))
+
+
+def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
+    assert not use_triton(torch.zeros(1))
+    x = _activations(20, 128, seed=10)
+    got, want = fq.quantize_act(x), fq.quantize_act_reference(x)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not use_triton(torch.zeros(1))

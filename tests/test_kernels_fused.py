@@ -1,0 +1,117 @@
+"""Fused SwiGLU and RMSNorm kernels match their references and autograd; their fused FP8 outputs
+are bit-for-bit the quantization of their unfused outputs.
+
+Kernels run under the Triton interpreter on CPU tensors. The interpreter truncates fp32 -> bf16
+where GPUs round to nearest, so bf16 outputs are compared to the FP32 reference within one bf16 ulp.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from fmoe.kernels import fp8_quant as fq  # noqa: E402
+from fmoe.kernels import fused  # noqa: E402
+from fmoe.kernels._triton import interpreting  # noqa: E402
+
+
+def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _within_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    want = want.float()
+    return bool(torch.all((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-6 * want.abs().max()))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def test_kernels_run_in_the_interpreter_here():
+    assert interpreting()
+
+
+def _swiglu_f32(h: torch.Tensor) -> torch.Tensor:
+    g, u = h.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def test_swiglu_matches_reference():
+    h = _randn(150, 640, seed=1, scale=3).bfloat16()
+    a = fused.swiglu(h)
+    assert a.shape == (150, 320) and a.dtype == torch.bfloat16
+    assert _within_bf16_ulp(a, _swiglu_f32(h))
+
+
+def test_swiglu_quant_equals_quantize_of_swiglu_bitwise():
+    h = _randn(150, 2 * 320, seed=2, scale=3).bfloat16()
+    a = fused.swiglu(h)
+    got, want = fused.swiglu_quant(h, pow2_scales=True), fq.quantize_act(a, pow2_scales=True)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    offs = torch.tensor([40, 40, 150], dtype=torch.int32)
+    rows, cols = fused.swiglu_quant(h, offs, with_t=True)
+    rows_want, cols_want = fq.quantize_act_t(a, offs, with_rows=True)
+    for x, y in [(rows.data, rows_want.data), (rows.scale, rows_want.scale)]:
+        assert _bits_equal(x, y)
+    for x, y in [(cols.data, cols_want.data), (cols.scale, cols_want.scale)]:
+        assert _bits_equal(x, y)
+
+
+def test_swiglu_quant_reference_is_close():
+    # kernel vs the all-torch path: same quantization of (nearly) the same bf16 values
+    h = _randn(64, 512, seed=3).bfloat16()
+    got, want = fused.swiglu_quant(h), fused.swiglu_quant_reference(h)
+    deq, deq_want = fq.dequantize_act(got), fq.dequantize_act(want)
+    assert float((deq - deq_want).norm() / deq_want.norm()) < 0.02
+
+
+def test_swiglu_backward_matches_autograd():
+    h = _randn(96, 2 * 256, seed=4, scale=2).bfloat16()
+    da = _randn(96, 256, seed=5).bfloat16()
+    dh = fused.swiglu_backward(h, da)
+    h64 = h.double().requires_grad_()
+    g, u = h64.chunk(2, dim=-1)
+    (torch.nn.functional.silu(g) * u).backward(da.double())
+    assert dh.shape == h.shape and _within_bf16_ulp(dh, h64.grad)
+
+
+@pytest.mark.parametrize("hidden", [384, 256])
+def test_rmsnorm_matches_reference_and_quant_is_bitwise(hidden):
+    x = _randn(77, hidden, seed=6, scale=4).bfloat16()
+    w = (1 + _randn(hidden, seed=7, scale=0.1)).bfloat16()
+    y, rstd, q = fused.rmsnorm(x, w, 1e-6, quantize=True)
+    xf = x.double()
+    rstd_want = (xf.square().mean(-1) + 1e-6).rsqrt()
+    assert torch.allclose(rstd.double(), rstd_want, rtol=1e-6)
+    assert _within_bf16_ulp(y, xf * rstd_want[:, None] * w.double())
+    want = fq.quantize_act(y)
+    assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+    y2, rstd2 = fused.rmsnorm(x, w, 1e-6)
+    assert torch.equal(y2, y) and torch.equal(rstd2, rstd)
+
+
+def test_rmsnorm_backward_matches_autograd():
+    x = _randn(70, 256, seed=8, scale=2).bfloat16()
+    w = (1 + _randn(256, seed=9, scale=0.1)).float()
+    dy = _randn(70, 256, seed=10).bfloat16()
+    _, rstd = fused.rmsnorm(x, w)
+    dx, dw = fused.rmsnorm_backward(dy, x, w, rstd)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    (x64 * (x64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w64).backward(dy.double())
+    assert _within_bf16_ulp(dx, x64.grad)
+    assert dw.dtype == torch.float32 and torch.allclose(dw.double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_shape_errors_name_the_field():
+    with pytest.raises(ValueError, match="h:"):
+        fused.swiglu(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="da:"):
+        fused.swiglu_backward(torch.randn(4, 8), torch.randn(4, 3))
+    with pytest.raises(ValueError, match="w:"):
+        fused.rmsnorm(torch.randn(4, 8), torch.randn(7))
+    with pytest.raises(ValueError, match="rstd"):
+        fused.rmsnorm_backward(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(3))

@@ -29,6 +29,7 @@ from fmoe import stage as S
 from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.mesh import Mesh
 from fmoe.stages.context_parallel import split_batch
+from fmoe.stages.primitives import fp8_training
 from fmoe.stages.spec import Model, StageContext
 
 
@@ -186,22 +187,25 @@ def parallel_step(
     schedule=None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    fp8: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards).
 
     shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
-    batch (every rank passes the same; each takes its share); schedule: a table for pp > 1.
+    batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
+    the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch).
     """
     params = gather_params(shards, infos, mesh, dtype)
     mine = local_batch(batch, mesh)
-    if mesh.pp > 1:
-        from fmoe.interpreter import run_schedule
+    with fp8_training(fp8):
+        if mesh.pp > 1:
+            from fmoe.interpreter import run_schedule
 
-        result = run_schedule(
-            schedule, model, params, mine, mesh.group("pp"), seed=seed, stage_groups=mesh.stage_groups()
-        )
-    else:
-        result = _local_step(model, params, mine, num_microbatches, mesh, seed)
+            result = run_schedule(
+                schedule, model, params, mine, mesh.group("pp"), seed=seed, stage_groups=mesh.stage_groups()
+            )
+        else:
+            result = _local_step(model, params, mine, num_microbatches, mesh, seed)
     del params
     scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
     grads = {n: g.float().mul_(scale) if dtype is not None else g.mul(scale) for n, g in result.grads.items()}

@@ -316,6 +316,7 @@ def train(
             loss, grads = parallel.parallel_step(
                 model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
+                fp8=recipe.train.fp8,
             )  # fmt: skip
             shards, state = optim.step(tx, grads, state, shards)
             step += 1

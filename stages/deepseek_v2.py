@@ -342,7 +342,7 @@ def router(cfg: DeepseekV2Config, x: Tensor, gate_w: Tensor) -> tuple[Tensor, Te
     experts of the ``topk_group`` groups with the highest best score; weights = the chosen
     probabilities times ``routed_scaling_factor`` (never renormalised).
     """
-    probs = torch.softmax(linear(x, gate_w), dim=-1, dtype=_compute_dtype(x))
+    probs = torch.softmax(linear(x, gate_w, fp8=False), dim=-1, dtype=_compute_dtype(x))
     scores = probs
     if cfg.topk_method == "group_limited_greedy":
         per = cfg.n_routed_experts // cfg.n_group
@@ -428,7 +428,7 @@ def aggregate(cfg: DeepseekV2Config, moe: bool, p: Params, inputs: tuple[Tensor,
 def head_logits(cfg: DeepseekV2Config, p: Params, h: Tensor) -> Tensor:
     """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
     lm_head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
-    return linear(layers.rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head)
+    return linear(layers.rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head, fp8=False)
 
 
 def head(cfg: DeepseekV2Config, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):

@@ -265,7 +265,7 @@ def attention(cfg: GptOssConfig, layer: int, p: Params, x: Tensor, positions: Te
 def router(cfg: GptOssConfig, x: Tensor, w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """x [T, H], w [E, H], bias [E] -> (probs [T, E] f32 for the aux loss, weights [T, k], ids [T, k] i64):
     top-k of the biased logits, softmax over the k chosen."""
-    logits = linear(x, w) + bias
+    logits = linear(x, w, fp8=False) + bias
     top, ids = torch.topk(logits, cfg.num_experts_per_tok, dim=-1)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     return probs, torch.softmax(top, dim=-1), ids
@@ -326,7 +326,7 @@ def aggregate(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: Sta
 def head_logits(cfg: GptOssConfig, p: Params, h: Tensor) -> Tensor:
     """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
     lm_head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
-    return linear(rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head)
+    return linear(rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head, fp8=False)
 
 
 def head(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):

@@ -109,7 +109,7 @@ def top_k_router(
 
     Softmax over all experts in float32, top-k, optionally renormalised over the chosen k.
     """
-    logits = linear(x, gate_w)
+    logits = linear(x, gate_w, fp8=False)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:

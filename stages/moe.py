@@ -349,7 +349,7 @@ def biased_top_k_router(
     x: [T, H], gate_w: [E, H], bias: [E] f32 (a buffer: no gradient flows to it) ->
     (probs [T, E] f32, weights [T, k] x.dtype, ids [T, k] int64).
     """
-    probs = torch.softmax(linear(x, gate_w), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(linear(x, gate_w, fp8=False), dim=-1, dtype=torch.float32)
     ids = torch.topk(probs + bias.detach().to(torch.float32), top_k, dim=-1).indices
     weights = probs.gather(1, ids)
     if norm_topk_prob:

@@ -27,6 +27,7 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_weight_grad",
     "active_tape",
+    "fp8_training",
     "linear",
 ]
 
@@ -46,6 +47,7 @@ class WeightGradTape:
         self.entries.append((weight, compute))
 
 
+_FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
 _ACTIVE_TAPE: contextvars.ContextVar[WeightGradTape | None] = contextvars.ContextVar(
     "fmoe_weight_grad_tape", default=None
 )
@@ -64,6 +66,40 @@ def defer_weight_grads(tape: WeightGradTape) -> Iterator[WeightGradTape]:
         yield tape
     finally:
         _ACTIVE_TAPE.reset(token)
+
+
+@contextlib.contextmanager
+def fp8_training(enabled: bool = True) -> Iterator[None]:
+    """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
+
+    Activations and output gradients are quantized in 1x128 groups, weights in 128x128 blocks, FP32
+    accumulation. A weight is quantized once per block - the training loop opens one per optimizer
+    step - and reused by every microbatch; the cache is keyed by the weight's storage and version, so
+    an in-place update is seen. Layers whose dims are not multiples of 128, and calls made with
+    ``fp8=False`` (router, LM head), stay in the compute dtype.
+    """
+    token = _FP8_WEIGHTS.set({} if enabled else None)
+    try:
+        yield
+    finally:
+        _FP8_WEIGHTS.reset(token)
+
+
+def _quantize_weight(w: Tensor):
+    from fmoe.kernels.fp8_quant import quantize_weight
+
+    return quantize_weight(w)
+
+
+def _fp8_weight(w: Tensor, cache: dict):
+    key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), w.dtype, w._version)
+    if key not in cache:
+        cache[key] = _quantize_weight(w.detach())
+    return cache[key]
+
+
+def _fp8_eligible(x: Tensor, w: Tensor) -> bool:
+    return all(d % 128 == 0 for d in w.shape[-2:]) and x.shape[-1] == w.shape[-1]
 
 
 def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
@@ -149,8 +185,86 @@ class _GroupedLinear(torch.autograd.Function):
         return dx, grouped_mm_weight_grad(x, dy, offs, num_groups), None
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` with a deferrable weight gradient. x: [..., in], w: [out, in] -> [..., out]."""
+class _Fp8Linear(torch.autograd.Function):
+    """FP8 forward, FP8 input gradient (the weight's transposed quantization), FP8 weight gradient
+    (the input's and output gradient's column-wise quantization) - the hand-written B and W."""
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, w_fp8) -> Tensor:
+        from fmoe.kernels.fp8_linear import fp8_linear_forward
+
+        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), w_fp8, out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, w, w_fp8 = inputs
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _ACTIVE_TAPE.get()
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        from fmoe.kernels.fp8_linear import fp8_linear_input_grad, fp8_linear_weight_grad
+
+        (x,) = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = (
+            fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view_as(x)
+            if ctx.needs_input_grad[0]
+            else None
+        )
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None
+        dtype = ctx.weight.dtype
+        compute = lambda: fp8_linear_weight_grad(x2, dy2, out_dtype=dtype)  # noqa: E731
+        if ctx.tape is not None:
+            ctx.tape.record(ctx.weight, compute)
+            return dx, None, None
+        return dx, compute(), None
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, offs: Tensor, w_fp8) -> Tensor:
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward
+
+        return fp8_grouped_linear_forward(x, w_fp8, offs, out_dtype=x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, w, offs, w_fp8 = inputs
+        ctx.save_for_backward(x, offs)
+        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _ACTIVE_TAPE.get()
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad, fp8_grouped_linear_weight_grad
+
+        x, offs = ctx.saved_tensors
+        dx = (
+            fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dy.dtype)
+            if ctx.needs_input_grad[0]
+            else None
+        )
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None, None
+        dtype = ctx.weight.dtype
+        compute = lambda: fp8_grouped_linear_weight_grad(x, dy, offs, out_dtype=dtype)  # noqa: E731
+        if ctx.tape is not None:
+            ctx.tape.record(ctx.weight, compute)
+            return dx, None, None, None
+        return dx, compute(), None, None
+
+
+def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
+    """``x @ w.T`` with a deferrable weight gradient. x: [..., in], w: [out, in] -> [..., out].
+
+    Inside :func:`fp8_training` it runs as FP8 GEMMs unless ``fp8=False`` (keep the router and the
+    LM head in the compute dtype, as DeepSeek-V3 does) or the dims are not multiples of 128.
+    """
+    cache = _FP8_WEIGHTS.get()
+    if fp8 and cache is not None and _fp8_eligible(x, w):
+        return _Fp8Linear.apply(x, w, _fp8_weight(w, cache))
     return _Linear.apply(x, w)
 
 
@@ -158,6 +272,9 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Expert-grouped ``x_e @ w[e].T`` with a deferrable weight gradient.
 
     x: [n, in] rows grouped by expert, w: [E, out, in], offs: [E] int32 cumulative end offsets
-    (an expert may get no rows) -> [n, out].
+    (an expert may get no rows) -> [n, out]. FP8 inside :func:`fp8_training`, as for ``linear``.
     """
+    cache = _FP8_WEIGHTS.get()
+    if cache is not None and _fp8_eligible(x, w):
+        return _Fp8GroupedLinear.apply(x, w, offs, _fp8_weight(w, cache))
     return _GroupedLinear.apply(x, w, offs)

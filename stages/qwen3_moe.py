@@ -246,7 +246,7 @@ def aggregate(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, .
 def head_logits(cfg: Qwen3MoeConfig, p: Params, h: Tensor) -> Tensor:
     """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
     lm_head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
-    return linear(layers.rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head)
+    return linear(layers.rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head, fp8=False)
 
 
 def head(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):

@@ -1,0 +1,128 @@
+"""FP8 linear layers in training: hand-written B/W against the derived ones, weights quantized once
+per step, and a tiny model trained with FP8 GEMMs against the same model without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_batch, tiny_config
+from fmoe.stages import primitives
+from fmoe.stages.primitives import fp8_training, grouped_linear, linear
+from fmoe.stages.spec import Stage, StageContext
+
+from fmoe import runner
+from fmoe import stage as S
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    # the FP8 kernels' plain-torch references (the Triton kernels themselves are tested under the
+    # interpreter in test_kernels_*; 200 training steps through the interpreter would take hours)
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
+
+
+def fp8_bound(x, w):
+    """E4M3 keeps 3 mantissa bits: each operand is off by <= 2^-4 relative, so a product of two
+    quantized operands by <= ~2 x 2^-4 of |x| @ |w|."""
+    return 2 * 2.0**-4 * (x.abs() @ w.abs().t())
+
+
+def test_fp8_linear_b_and_w_agree_with_the_derived_float_ones_within_the_fp8_bound():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=gen)
+    w = torch.randn(128, 256, generator=gen) * 0.05
+    dy = torch.randn(64, 128, generator=gen)
+    stage = Stage("lin", lambda p, i, c: (linear(i[0], p["w"]),), ("l.w",), "l.")
+    results = {}
+    for mode in ("float", "fp8"):
+        with fp8_training(mode == "fp8"):
+            (y,), fwd = S.forward(stage, {"l.w": w}, (x,), StageContext())
+            (dx,), work = S.backward_input(fwd, (dy,))
+            dw = S.backward_weight(work)["l.w"]
+        results[mode] = (y, dx, dw)
+    (y, dx, dw), (y8, dx8, dw8) = results["float"], results["fp8"]
+    assert not torch.equal(y, y8), "the FP8 path must actually run"
+    assert ((y8 - y).abs() <= fp8_bound(x, w) + 1e-6).all()
+    assert ((dx8 - dx).abs() <= fp8_bound(dy, w.t()) + 1e-6).all()
+    assert ((dw8 - dw).abs() <= fp8_bound(dy.t(), x.t()) + 1e-6).all()
+    assert (dw8 - dw).norm() / dw.norm() < 0.05 and (y8 - y).norm() / y.norm() < 0.05
+
+
+def test_fp8_grouped_linear_b_and_w_agree_within_the_fp8_bound_with_an_empty_expert():
+    gen = torch.Generator().manual_seed(1)
+    offs = torch.tensor([40, 40, 128], dtype=torch.int32)  # expert 1 gets no rows
+    x = torch.randn(128, 128, generator=gen)
+    w = torch.randn(3, 256, 128, generator=gen) * 0.05
+    dy = torch.randn(128, 256, generator=gen)
+    stage = Stage("g", lambda p, i, c: (grouped_linear(i[0], p["w"], offs),), ("g.w",), "g.")
+    out = {}
+    for mode in ("float", "fp8"):
+        with fp8_training(mode == "fp8"):
+            (y,), fwd = S.forward(stage, {"g.w": w}, (x,), StageContext())
+            (dx,), work = S.backward_input(fwd, (dy,))
+            out[mode] = (y, dx, S.backward_weight(work)["g.w"])
+    for a, b in zip(out["float"], out["fp8"]):
+        assert (b - a).norm() / a.norm() < 0.05
+    assert torch.equal(out["fp8"][2][1], torch.zeros_like(w[1]))
+
+
+def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(monkeypatch):
+    calls = []
+    real = primitives._quantize_weight
+
+    def counting(w):
+        calls.append(tuple(w.shape))
+        return real(w)
+
+    monkeypatch.setattr(primitives, "_quantize_weight", counting)
+    cfg = fp8_config()
+    model = qwen3_moe_build(cfg)
+    params = model.init(seed=0)
+    with fp8_training(True):
+        runner.run_sequential(model, params, random_batch(cfg, 4, 16), num_microbatches=4)
+    # q, k, v, o per layer and gate_up, down per MoE layer: each quantized once for 4 microbatches
+    per_layer = 4 + 2
+    assert len(calls) == per_layer * cfg.num_hidden_layers
+    assert len(set(calls)) <= per_layer
+
+
+def fp8_config():
+    return tiny_config(
+        vocab_size=264, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, num_hidden_layers=2,
+    )  # fmt: skip
+
+
+def qwen3_moe_build(cfg):
+    from fmoe.stages import qwen3_moe
+
+    return qwen3_moe.build(cfg)
+
+
+def test_tiny_model_trains_200_steps_with_fp8_within_2_percent_of_the_float_loss(tmp_path):
+    from test_train import MODEL, recipe_dict
+
+    from fmoe import data
+    from fmoe import recipe as R
+    from fmoe.train import train
+
+    corpus = data.builtin_corpus(tmp_path / "corpus.txt", 1_500_000)
+    data.build([corpus], tmp_path / "bytes", tokenizer="bytes", workers=1)
+    model = dict(MODEL, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                 moe_intermediate_size=128, intermediate_size=256)  # fmt: skip
+    losses = {}
+    for fp8 in (False, True):
+        d = recipe_dict(
+            tmp_path / f"fp8_{fp8}", str(tmp_path / "bytes"),
+            train={"steps": 200, "global_batch": 8, "microbatches": 1, "fp8": fp8},
+            optim={"lr": 3e-3, "warmup": 20}, checkpoint={"every": 200}, log={"every": 50},
+        )  # fmt: skip
+        d["model"] = model
+        d["data"]["seq_len"] = 64
+        losses[fp8] = train(R.from_dict(d)).losses
+    # compare the mean of the last 20 steps (single steps are noisy)
+    float_loss, fp8_loss = (sum(losses[k][-20:]) / 20 for k in (False, True))
+    print(f"last-20 mean loss: float {float_loss:.4f}, fp8 {fp8_loss:.4f}")
+    assert losses[True] != losses[False], "the FP8 run must differ from the float run"
+    assert float_loss < losses[False][0] - 1.0, "the model must actually train"
+    assert abs(fp8_loss - float_loss) <= 0.02 * float_loss, (fp8_loss, float_loss)

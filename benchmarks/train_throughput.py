@@ -8,7 +8,9 @@ moe_intermediate 768, vocab 151936, sequence 4096, micro-batch 1, bf16 compute, 
 fused AdamW) for --steps steps after --warmup steps:
   fmoe:  the model's stage functions, F/B/W derived by fmoe.stage, fmoe.optim's fused AdamW;
   eager: an ordinary nn.Module with autograd, written as a user would (SDPA, torch._grouped_mm,
-         argsort permutation, torch.optim.AdamW(fused=True)).
+         argsort permutation, parameters in bf16, torch.optim.AdamW(fused=True) on them) - so its
+         optimizer moves half the bytes of fmoe's fp32-master step;
+  fmoe_fp8: fmoe with FP8 GEMMs for the attention projections and experts (--sides to pick).
 Model FLOPs per token = 6 x active parameters (attention projections, top-k experts' SwiGLU, router,
 LM head) + causal attention's score and value GEMMs (fwd + bwd = 3 x fwd, halved by the mask);
 model TFLOP/s = FLOPs per step / step time; MFU against 989 TFLOP/s dense bf16.
@@ -136,13 +138,12 @@ class EagerModel(nn.Module):
 
 
 def eager_step_fn(cfg, device, dtype):
-    model = EagerModel(cfg).to(device)
+    """The baseline as a user writes it: the module in the compute dtype, fused AdamW on it."""
+    model = EagerModel(cfg).to(device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    autocast = torch.autocast(device_type=device, dtype=dtype, enabled=dtype != torch.float32)
 
     def step(tokens, labels):
-        with autocast:
-            loss = model(tokens, labels)
+        loss = model(tokens, labels)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -152,6 +153,57 @@ def eager_step_fn(cfg, device, dtype):
 
 # ------------------------------------------------------------------------------------------------
 # fmoe
+
+
+def fmoe_fp8_step_fn(cfg, device, dtype):
+    """fmoe with its FP8 GEMMs (attention projections and experts; router and head stay bf16)."""
+    from fmoe.stages.primitives import fp8_training
+
+    step = fmoe_step_fn(cfg, device, dtype)
+
+    def fp8_step(tokens, labels):
+        with fp8_training(True):
+            step(tokens, labels)
+
+    return fp8_step
+
+
+CATEGORIES = (  # kernel-name patterns -> share of the step, first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("permutation", ("sort", "index", "gather", "scatter", "histogram", "bincount", "_expert", "radix")),
+    ("fp8 quantization", ("quant",)),
+    ("GEMMs (experts, projections, head)", ("gemm", "xmma", "cutlass", "grouped", "_mm_", "matmul", "sm90")),
+    ("router/softmax/topk", ("softmax", "topk", "bitonic")),
+    ("elementwise/norm/other", ("",)),
+)
+
+
+def profile_step(step, tokens, labels, steps: int = 2) -> dict:
+    """Share of step time per kind of kernel, and the GPU's idle share, from torch.profiler."""
+    import time as _time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = _time.perf_counter()
+        for _ in range(steps):
+            step(tokens, labels)
+        torch.cuda.synchronize()
+        wall_us = (_time.perf_counter() - t0) * 1e6
+    by_cat: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0 or ev.key.startswith("ProfilerStep"):
+            continue
+        name = ev.key.lower()
+        cat = next(c for c, pats in CATEGORIES if any(p in name for p in pats))
+        by_cat[cat] = by_cat.get(cat, 0.0) + us
+    busy = sum(by_cat.values())
+    shares = {k: v / wall_us for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    shares["idle (GPU waiting on the host)"] = max(0.0, 1.0 - busy / wall_us)
+    return {"wall_ms_per_step": wall_us / 1e3 / steps, "share": shares}
 
 
 def fmoe_step_fn(cfg, device, dtype):
@@ -178,7 +230,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--sides", default="eager,fmoe")
+    ap.add_argument("--sides", default="eager,fmoe", help="comma list of: eager, fmoe, fmoe_fp8")
+    ap.add_argument(
+        "--profile", action="store_true", help="CUDA: time shares of the fmoe step by kernel kind"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = qwen3_moe.Qwen3MoeConfig(num_hidden_layers=args.layers, **(TINY if args.tiny else SHAPE))
@@ -190,20 +245,24 @@ def main(argv=None) -> dict:
     flops = seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
     results = {}
     for side in args.sides.split(","):
-        step = {"eager": eager_step_fn, "fmoe": fmoe_step_fn}[side](cfg, args.device, dtype)
+        make = {"eager": eager_step_fn, "fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
+        step = make(cfg, args.device, dtype)
         ms = time_ms(
             lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device
         )
         tflops = flops / (ms / 1e3) / 1e12
         results[side] = {"step_ms": ms, "tokens_per_s": seq / (ms / 1e3), "model_tflops": tflops,
                          "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
+        if args.profile and args.device == "cuda" and side.startswith("fmoe"):
+            results[side]["profile"] = profile_step(step, tokens, labels)
         if args.device == "cuda":
             results[side]["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         del step
-    if "eager" in results and "fmoe" in results:
-        results["fmoe_over_eager"] = results["eager"]["step_ms"] / results["fmoe"]["step_ms"]
+    for side in ("fmoe", "fmoe_fp8"):
+        if "eager" in results and side in results:
+            results[f"{side}_over_eager"] = results["eager"]["step_ms"] / results[side]["step_ms"]
     record = {
         "benchmark": "train throughput, Qwen3-30B-A3B-shaped MoE, one GPU",
         "shape": {

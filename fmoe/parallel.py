@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fmoe import runner
-from fmoe import stage as S
 from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.mesh import Mesh
 from fmoe.stages.context_parallel import split_batch
@@ -160,14 +159,8 @@ def _local_step(
     groups = mesh.stage_groups()
     for i, mb in enumerate(runner.split_microbatches(batch, num_microbatches)):
         ctx = StageContext(microbatch=mesh.data_rank * num_microbatches + i, seed=seed, groups=groups)
-        carry: tuple[Tensor, ...] = ()
-        fwds, terms = [], []
-        for stage in model.stages:
-            outputs, fwd = S.forward(stage, params, runner.stage_inputs(stage, carry, mb), ctx)
-            carry, stage_terms = runner.split_outputs(stage, outputs)
-            fwds.append(fwd)
-            terms.extend(stage_terms)
-        losses.append(runner.sum_terms(terms))
+        fwds, loss = runner.forward_microbatch(model, params, mb, ctx)
+        losses.append(loss)
         runner.accumulate(
             grads, runner.weight_grads(runner.backward_microbatch(fwds, 1.0 / num_microbatches))
         )

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -497,8 +496,7 @@ def init_params(
         if name.endswith("norm.weight"):
             value = torch.ones(shape)
         else:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            value = torch.randn(shape, generator=gen) * cfg.initializer_range
+            value = layers.seeded_normal(name, shape, seed, cfg.initializer_range)
         params[name] = value.to(device=device, dtype=dtype)
     return params
 
@@ -596,37 +594,7 @@ def from_hf(cfg: DeepseekV2Config, tensors: Params) -> dict[str, Tensor]:
 
     Raises KeyError naming the first missing tensor.
     """
-    params: dict[str, Tensor] = {}
-    for name in param_shapes(cfg):
-        if name in tensors:
-            params[name] = tensors[name]
-        elif name.endswith("mlp.experts.gate_up_proj"):
-            pre = name[: -len("gate_up_proj")]
-            params[name] = torch.stack(
-                [
-                    torch.cat(
-                        [
-                            _need(tensors, f"{pre}{e}.gate_proj.weight"),
-                            _need(tensors, f"{pre}{e}.up_proj.weight"),
-                        ]
-                    )
-                    for e in range(cfg.n_routed_experts)
-                ]
-            )
-        elif name.endswith("mlp.experts.down_proj"):
-            pre = name[: -len("down_proj")]
-            params[name] = torch.stack(
-                [_need(tensors, f"{pre}{e}.down_proj.weight") for e in range(cfg.n_routed_experts)]
-            )
-        else:
-            _need(tensors, name)
-    return params
-
-
-def _need(tensors: Params, name: str) -> Tensor:
-    if name not in tensors:
-        raise KeyError(f"Hugging Face checkpoint lacks tensor {name!r}")
-    return tensors[name]
+    return qwen3_moe.stack_hub_experts(param_shapes(cfg), cfg.n_routed_experts, tensors)
 
 
 def rope_parameters(theta: float, rope_scaling: Mapping | None) -> dict:

@@ -29,7 +29,6 @@ stores [E, H, 2I] and [E, I, H]; ``to_hf`` / ``from_hf`` transpose. The biases
 from __future__ import annotations
 
 import functools
-import zlib
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -381,8 +380,7 @@ def init_params(
         elif name.endswith("bias"):
             value = torch.zeros(shape)
         else:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            value = torch.randn(shape, generator=gen) * cfg.initializer_range
+            value = layers.seeded_normal(name, shape, seed, cfg.initializer_range)
         params[name] = value.to(device=device, dtype=dtype)
     return params
 

@@ -8,6 +8,7 @@ n = T * k routed rows, d = head dim. Weights are stored as in Hugging Face: a li
 from __future__ import annotations
 
 import importlib.util
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -180,3 +181,10 @@ def unpermute_rows(y: Tensor, order: Tensor, top_k: int) -> Tensor:
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean token cross-entropy in float32; labels of -100 are ignored. logits [T, V], labels [T]."""
     return F.cross_entropy(logits.float(), labels, ignore_index=-100)
+
+
+def seeded_normal(name: str, shape: tuple[int, ...], seed: int, std: float) -> Tensor:
+    """N(0, std) float32 values for parameter ``name`` from a generator seeded by (seed, name), so a
+    parameter's values do not depend on which others are created (every layout inits the same)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * std

@@ -30,7 +30,6 @@ selection only; the trainer updates it with ``fmoe.stages.moe.update_router_bias
 from __future__ import annotations
 
 import functools
-import zlib
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -308,8 +307,7 @@ def init_params(
             params[name] = torch.zeros(shape, dtype=torch.float32, device=device)
             continue
         else:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            value = torch.randn(shape, generator=gen) * cfg.initializer_range
+            value = layers.seeded_normal(name, shape, seed, cfg.initializer_range)
         params[name] = value.to(device=device, dtype=dtype)
     return params
 
@@ -405,12 +403,21 @@ def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
 
     Raises KeyError naming the first missing tensor.
     """
+    return stack_hub_experts(param_shapes(cfg), cfg.num_experts, tensors)
+
+
+def stack_hub_experts(
+    shapes: dict[str, tuple[int, ...]], num_experts: int, tensors: Params
+) -> dict[str, Tensor]:
+    """fmoe params named in ``shapes`` from HF tensors: stacked expert weights built from the hub's
+    per-expert ``experts.{e}.gate_proj/up_proj/down_proj`` when not already stacked. Shared by the
+    families that store experts as Qwen3-MoE does (DeepSeek-V2 too)."""
     params: dict[str, Tensor] = {}
-    for name in param_shapes(cfg):
+    for name in shapes:
         if name in tensors:
             params[name] = tensors[name]
         elif name.endswith(ROUTER_BIAS):  # not in Hugging Face checkpoints: start neutral
-            params[name] = torch.zeros(param_shapes(cfg)[name], dtype=torch.float32)
+            params[name] = torch.zeros(shapes[name], dtype=torch.float32)
         elif name.endswith("mlp.experts.gate_up_proj"):
             pre = name[: -len("gate_up_proj")]
             params[name] = torch.stack(
@@ -421,13 +428,13 @@ def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
                             _need(tensors, f"{pre}{e}.up_proj.weight"),
                         ]
                     )
-                    for e in range(cfg.num_experts)
+                    for e in range(num_experts)
                 ]
             )
         elif name.endswith("mlp.experts.down_proj"):
             pre = name[: -len("down_proj")]
             params[name] = torch.stack(
-                [_need(tensors, f"{pre}{e}.down_proj.weight") for e in range(cfg.num_experts)]
+                [_need(tensors, f"{pre}{e}.down_proj.weight") for e in range(num_experts)]
             )
         else:
             _need(tensors, name)

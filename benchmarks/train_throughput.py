@@ -25,26 +25,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fmoe.stages import qwen3_moe
 
+from benchmarks import bench_stages
 from benchmarks.common import time_ms, write_result
 from fmoe import optim, runner
 from fmoe.train import attention_flops_per_token, flops_per_token
 
 PEAK_TFLOPS = 989.0
-SHAPE = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-    intermediate_size=6144,
-    norm_topk_prob=True,
-    router_aux_loss_coef=0.001,
-)
-TINY = dict(SHAPE, vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+# the Qwen3-30B-A3B shapes of the stage benchmark, with as many layers as --layers asks
+SHAPE = {k: v for k, v in bench_stages.QWEN3_30B_A3B_LAYER.items() if k != "num_hidden_layers"}
+TINY = {k: v for k, v in bench_stages.TINY.items() if k != "num_hidden_layers"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -250,13 +250,17 @@ def train(
     else:
         full, opt_flat, trainer_state = checkpoint.load(latest, expected_keys=names)
         shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
-        try:
-            state = optim.state_from_flat(tx, _opt_shard(opt_flat, infos, mesh, device), shards)
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"{latest}: optimizer state does not fit the model ({e})") from None
+        if not opt_flat:  # weights only (``fmoe checkpoint import-hf``): a fresh optimizer
+            state = tx.init(shards)
+        else:
+            try:
+                state = optim.state_from_flat(tx, _opt_shard(opt_flat, infos, mesh, device), shards)
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{latest}: optimizer state does not fit the model ({e})") from None
         step = int(trainer_state["step"])
-        cursor = int(trainer_state["data_cursor"])
-        checkpoint.restore_rng(trainer_state["rng"])
+        cursor = int(trainer_state.get("data_cursor", 0))
+        if "rng" in trainer_state:
+            checkpoint.restore_rng(trainer_state["rng"])
     del full
 
     result = TrainResult(step=step)

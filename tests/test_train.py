@@ -170,3 +170,23 @@ def test_a_tokenizer_vocab_mismatch_is_named(tmp_path, dataset, capsys):
     path.write_text(toml_text(recipe_dict(tmp_path, dataset, model={"vocab_size": 100})))
     code, err = run_cli(["train", str(path)], capsys)
     assert code == 2 and "tokenizer/vocab mismatch" in err and "vocab_size is 100" in err, err
+
+
+def test_training_starts_from_an_imported_hugging_face_checkpoint(tmp_path, dataset, capsys):
+    from fmoe.stages import qwen3_moe
+
+    from fmoe import hf
+
+    d = recipe_dict(tmp_path, dataset)
+    cfg = R.from_dict(d).model
+    weights = qwen3_moe.init_params(cfg, seed=42)
+    hf.export_hf("qwen3_moe", cfg, weights, tmp_path / "hf")
+    code, err = run_cli(
+        ["checkpoint", "import-hf", str(tmp_path / "hf"), "--out", d["checkpoint"]["dir"]], capsys
+    )
+    assert code == 0, err
+    result = train(R.from_dict(d), stop_after=1)
+    assert result.step == 1
+    # the first step started from the imported weights: its loss is that of the imported model
+    first = train(R.from_dict(recipe_dict(tmp_path / "fresh", dataset)), stop_after=1)
+    assert result.losses[0] != first.losses[0]

@@ -127,7 +127,7 @@ def reduce_scatter_grads(
             flat = torch.cat([flat, flat.new_zeros(pad)])
         group = mesh.group(info.group)
         if info.size == 1:
-            out[name] = flat.clone()
+            out[name] = flat  # the caller's gradient itself: nothing to reduce
         elif dist.get_backend(group) == "nccl":
             shard = flat.new_empty(info.shard_numel)
             dist.reduce_scatter_tensor(shard, flat.contiguous(), group=group)
@@ -201,7 +201,11 @@ def parallel_step(
             result = _local_step(model, params, mine, num_microbatches, mesh, seed)
     del params
     scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
-    grads = {n: g.float().mul_(scale) if dtype is not None else g.mul(scale) for n, g in result.grads.items()}
+    grads = result.grads
+    if dtype is not None:
+        grads = {n: g.float() for n, g in grads.items()}
+    if scale != 1.0:
+        grads = {n: g.mul_(scale) for n, g in grads.items()}  # the step owns these tensors
     grad_shards = reduce_scatter_grads(grads, infos, mesh)
     loss = result.loss.detach().clone().float()
     data = mesh.group("dp_cp_ep")

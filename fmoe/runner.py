@@ -80,12 +80,16 @@ def mean_loss(microbatch_losses: Sequence[Tensor]) -> Tensor:
 
 
 def accumulate(total: dict[str, Tensor], grads: Mapping[str, Tensor]) -> None:
-    """total[name] += grads[name], in place, creating entries as needed."""
+    """total[name] += grads[name], in place, creating entries as needed.
+
+    Takes ownership of the tensors of ``grads`` (fresh W/B results): the first one of a name becomes
+    the accumulator, so a step's gradients are not copied once more.
+    """
     for name, g in grads.items():
         if name in total:
             total[name] += g
         else:
-            total[name] = g.clone()
+            total[name] = g
 
 
 def forward_microbatch(

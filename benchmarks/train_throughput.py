@@ -132,8 +132,8 @@ def eager_step_fn(cfg, device, dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
     def step(tokens, labels):
-        loss = model(tokens, labels)
-        loss.backward()
+        for i in range(tokens.shape[0]):  # gradient accumulation, one sequence per micro-batch
+            (model(tokens[i : i + 1], labels[i : i + 1]) / tokens.shape[0]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -204,7 +204,7 @@ def fmoe_step_fn(cfg, device, dtype):
     def step(tokens, labels):
         p = state["params"]
         compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
-        out = runner.run_sequential(model, compute, {"tokens": tokens, "labels": labels}, 1)
+        out = runner.run_sequential(model, compute, {"tokens": tokens, "labels": labels}, tokens.shape[0])
         grads = {n: g.float() for n, g in out.grads.items()}
         state["params"], state["opt"] = optim.step(tx, grads, state["opt"], p)
 
@@ -218,6 +218,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--microbatches", type=int, default=1, help="sequences per optimizer step, one per micro-batch"
+    )
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--sides", default="eager,fmoe", help="comma list of: eager, fmoe, fmoe_fp8")
     ap.add_argument(
@@ -229,9 +232,10 @@ def main(argv=None) -> dict:
     seq = 32 if args.tiny else args.seq
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen).to(args.device)
-    labels = torch.randint(0, cfg.vocab_size, (1, seq), generator=gen).to(args.device)
-    flops = seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
+    m = args.microbatches
+    tokens = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
+    labels = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
+    flops = m * seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
     results = {}
     for side in args.sides.split(","):
         make = {"eager": eager_step_fn, "fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
@@ -240,7 +244,7 @@ def main(argv=None) -> dict:
             lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device
         )
         tflops = flops / (ms / 1e3) / 1e12
-        results[side] = {"step_ms": ms, "tokens_per_s": seq / (ms / 1e3), "model_tflops": tflops,
+        results[side] = {"step_ms": ms, "tokens_per_s": m * seq / (ms / 1e3), "model_tflops": tflops,
                          "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
         if args.profile and args.device == "cuda" and side.startswith("fmoe"):
             results[side]["profile"] = profile_step(step, tokens, labels)
@@ -258,6 +262,7 @@ def main(argv=None) -> dict:
             "layers": args.layers,
             "seq": seq,
             "micro_batch": 1,
+            "microbatches_per_step": m,
             "dtype": str(dtype),
             **(TINY if args.tiny else SHAPE),
         },  # fmt: skip

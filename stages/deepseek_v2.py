@@ -425,16 +425,13 @@ def aggregate(cfg: DeepseekV2Config, moe: bool, p: Params, inputs: tuple[Tensor,
 
 
 def head_logits(cfg: DeepseekV2Config, p: Params, h: Tensor) -> Tensor:
-    """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
-    lm_head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
-    return linear(layers.rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head, fp8=False)
+    """Final norm and LM head: h [b,s,H] -> logits [b,s,V] (as Qwen3-MoE's)."""
+    return qwen3_moe.head_logits(cfg, p, h)
 
 
 def head(cfg: DeepseekV2Config, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """(h [b,s,H], labels [b,s] i64, -100 ignored) -> (mean token cross-entropy,)."""
-    h, labels = inputs
-    out = head_logits(cfg, p, h)
-    return (layers.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1)),)
+    """(h [b,s,H], labels [b,s] i64, -100 ignored) -> (mean token cross-entropy,) (as Qwen3-MoE's)."""
+    return qwen3_moe.head(cfg, p, inputs, ctx)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -323,16 +323,13 @@ def aggregate(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: Sta
 
 
 def head_logits(cfg: GptOssConfig, p: Params, h: Tensor) -> Tensor:
-    """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
-    lm_head = p["model.embed_tokens.weight"] if cfg.tie_word_embeddings else p["lm_head.weight"]
-    return linear(rms_norm(h, p["model.norm.weight"], cfg.rms_norm_eps), lm_head, fp8=False)
+    """Final norm and LM head: h [b,s,H] -> logits [b,s,V] (as Qwen3-MoE's)."""
+    return qwen3_moe.head_logits(cfg, p, h)
 
 
 def head(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """(h [b,s,H], labels [b,s] i64, -100 ignored) -> (mean token cross-entropy,)."""
-    h, labels = inputs
-    out = head_logits(cfg, p, h)
-    return (layers.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1)),)
+    """(h [b,s,H], labels [b,s] i64, -100 ignored) -> (mean token cross-entropy,) (as Qwen3-MoE's)."""
+    return qwen3_moe.head(cfg, p, inputs, ctx)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_batch
-from fmoe.schedules import generate
+from conftest import assert_pipeline_matches_sequential, assert_runner_matches_autograd, random_batch
 from fmoe.stages import gpt_oss as G
 from test_deepseek_v2 import (
     RECIPES,
@@ -19,8 +18,7 @@ from test_deepseek_v2 import (
     tiny_recipe_trains,
 )
 
-from fmoe import dist as dist_helpers
-from fmoe import hf, interpreter, pipeline, recipe, runner
+from fmoe import hf, recipe
 
 STAGES = ["embed"] + [
     f"layers.{i}.{n}" for i in (0, 1) for n in ("attn", "dispatch", "mlp", "combine", "aggregate")
@@ -174,43 +172,15 @@ def test_bad_config_names_the_field(overrides, field):
 def test_runner_loss_bitwise_equals_autograd_and_grads_match():
     cfg = tiny(num_hidden_layers=3)
     model = G.build(cfg)
-    params = with_random_biases(model.init(seed=3))
-    batch = random_batch(cfg, 4, 8)
-    result = runner.run_sequential(model, params, batch, num_microbatches=2)
-    leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
-    reference = runner.model_loss(model, leaves, batch, num_microbatches=2)
-    reference.backward()
-    assert torch.equal(result.loss, reference.detach())
-    assert set(result.grads) == set(params)
-    for name, g in result.grads.items():
-        ref = leaves[name].grad
-        assert ((g - ref).norm() / ref.norm().clamp_min(1e-30)).item() <= 1e-6, name
-
-
-def dualpipev_worker(rank: int, world: int, group) -> dict:
-    cfg = tiny(num_hidden_layers=4)
-    model = G.build(cfg)
-    params = with_random_biases(model.init(seed=1))
-    batch = random_batch(cfg, 4, 8, seed=5)
-    ref = runner.run_sequential(model, params, batch, 4)
-    schedule = generate("dualpipev", world, 4)
-    names = pipeline.local_param_names(model, schedule, rank=rank)
-    result = interpreter.pipeline_step(schedule, model, {n: params[n] for n in names}, batch, group)
-    return {
-        "loss_equal": torch.equal(result.loss, ref.loss),
-        "same_names": sorted(result.grads) == sorted(names),
-        "worst_rel": max(((g - ref.grads[n]).norm() / ref.grads[n].norm().clamp_min(1e-30)).item()
-                         for n, g in result.grads.items()),
-    }  # fmt: skip
+    assert_runner_matches_autograd(model, with_random_biases(model.init(seed=3)), random_batch(cfg, 4, 8))
 
 
 def test_dualpipev_at_pp2_loss_bitwise_equals_sequential():
-    results = dist_helpers.spawn(dualpipev_worker, 2, timeout_s=170)
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
-        assert r.value["loss_equal"], f"rank {r.rank}: pipelined loss differs from the sequential one"
-        assert r.value["same_names"], f"rank {r.rank} returned gradients for other parameters than it holds"
-        assert r.value["worst_rel"] < 1e-6, f"rank {r.rank}: gradient relative error {r.value['worst_rel']}"
+    cfg = tiny(num_hidden_layers=4)
+    model = G.build(cfg)
+    assert_pipeline_matches_sequential(
+        "dualpipev", model, with_random_biases(model.init(seed=1)), random_batch(cfg, 4, 8, seed=5)
+    )
 
 
 def test_tiny_recipe_trains_and_real_recipe_has_gpt_oss_20b_size(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_batch, tiny_config
+from conftest import assert_runner_matches_autograd, random_batch, tiny_config
 from fmoe.stages import qwen3_moe
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import CustomGrad, Stage, StageContext
@@ -22,18 +22,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_tiny_model_runner_loss_bitwise_equals_autograd_and_grads_match(tie):
     cfg = tiny_config(num_hidden_layers=3, mlp_only_layers=(0,), tie_word_embeddings=tie)
     model = qwen3_moe.build(cfg)
-    params = model.init(seed=3)
-    batch = random_batch(cfg, 4, 8)
-
-    result = runner.run_sequential(model, params, batch, num_microbatches=2)
-
-    leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
-    reference = runner.model_loss(model, leaves, batch, num_microbatches=2)
-    reference.backward()
-    assert torch.equal(result.loss, reference.detach())
-    assert set(result.grads) == set(params)
-    for name, g in result.grads.items():
-        assert relative_error(g, leaves[name].grad) <= 1e-6, name
+    assert_runner_matches_autograd(model, model.init(seed=3), random_batch(cfg, 4, 8))
 
 
 def test_aux_loss_gradient_reaches_the_router():

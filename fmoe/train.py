@@ -139,6 +139,11 @@ class MetricsLog:
 def _setup_mesh(recipe: Recipe):
     """Process group (torchrun's environment) and mesh; sizes checked before anything is built."""
     p, t = recipe.parallel, recipe.train
+    if p.cp > 1 and not getattr(family_module(recipe.model_family), "SUPPORTS_CONTEXT_PARALLEL", False):
+        raise RecipeError(
+            f"{recipe.path}: parallel.cp = {p.cp}, but model family {recipe.model_family!r} has no "
+            f"context-parallel attention yet: set parallel.cp = 1"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_initialized():
         world = dist.get_world_size()

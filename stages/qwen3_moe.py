@@ -373,6 +373,7 @@ def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tenso
 # reads it into its stacked layout), everything else under the same names as here.
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
+SUPPORTS_CONTEXT_PARALLEL = True  # attn passes ctx.group("cp") to the attention and the aux loss
 HF_MODEL_TYPE = "qwen3_moe"
 FMOE_ONLY_FIELDS = ("moe_capacity_factor", "moe_router_bias_update_rate")
 

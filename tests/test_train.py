@@ -190,3 +190,10 @@ def test_training_starts_from_an_imported_hugging_face_checkpoint(tmp_path, data
     # the first step started from the imported weights: its loss is that of the imported model
     first = train(R.from_dict(recipe_dict(tmp_path / "fresh", dataset)), stop_after=1)
     assert result.losses[0] != first.losses[0]
+
+
+def test_context_parallel_on_a_family_without_it_is_refused_up_front(tmp_path, dataset):
+    d = recipe_dict(tmp_path, dataset, parallel={"cp": 2})
+    d["model"] = {"family": "gpt_oss", "vocab_size": 264}
+    with pytest.raises(R.RecipeError, match=r"model family 'gpt_oss' has no context-parallel attention"):
+        train(R.from_dict(d))

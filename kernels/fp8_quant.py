@@ -224,9 +224,10 @@ def _quant_tiles_kernel(
     v = _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE)
 
     s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
-    bits_t = _e4m3_bits(v * inv_t[None, :], EMULATE)
+    # transposed in registers, then stored row-major (see _quant_weight_kernel for why)
+    bits_t = _e4m3_bits(tl.trans(v) * inv_t[:, None], EMULATE)
     tok = t * 128 + r
-    tl.store(qt_ptr + cols[None, :].to(tl.int64) * stride_qtk + tok[:, None], bits_t, mask=cmask[None, :])
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + tok[None, :], bits_t, mask=cmask[:, None])
     tl.store(st_ptr + t * K + cols, s_t, mask=cmask)
 
     if ROWS:
@@ -252,7 +253,12 @@ def _quant_weight_kernel(
     s, inv = _scales(tl.max(tl.max(tl.abs(v), axis=1), axis=0), POW2)
     bits = _e4m3_bits(v * inv, EMULATE)
     tl.store(q_ptr + off, bits, mask=mask)
-    tl.store(qt_ptr + e * N * K + cols[None, :] * N + rows[:, None], bits, mask=mask)
+    # The [K, N] copy: transpose in registers and store row-major. Storing ``bits`` through
+    # transposed pointers (cols * N + rows) lost bytes on an H200 (Triton 3.6): ~0.2% of the
+    # transposed weight stayed unwritten, nondeterministically (benchmarks/results/fp8_h200.json).
+    off_t = e * N * K + cols[:, None] * N + rows[None, :]
+    mask_t = (cols[:, None] < K) & (rows[None, :] < N)
+    tl.store(qt_ptr + off_t, _e4m3_bits(tl.trans(v) * inv, EMULATE), mask=mask_t)
     nbs = tl.cdiv(N, 128)
     kbs = tl.cdiv(K, 128)
     tl.store(s_ptr + e * nbs * kbs + nb * kbs + kb, s)
@@ -424,10 +430,13 @@ def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
 
 
 def _scales_reference(amax: Tensor, pow2: bool) -> tuple[Tensor, Tensor]:
-    s = amax.float().clamp_min(AMAX_EPS) / FP8_MAX
+    # Divide by tensors, not Python scalars: on CUDA, torch turns ``t / scalar`` into ``t * (1 /
+    # scalar)``, which is not the IEEE quotient the kernels compute (and rounds ~1 in 5 scales off).
+    amax = amax.float().clamp_min(AMAX_EPS)
+    s = torch.div(amax, torch.full_like(amax, FP8_MAX))
     if pow2:
         s = ((s.view(torch.int32) + 0x7FFFFF) & 0x7F800000).view(torch.float32)
-    return s, 1.0 / s
+    return s, torch.div(torch.ones_like(s), s)
 
 
 def _cast_reference(v: Tensor) -> Tensor:

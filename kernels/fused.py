@@ -6,7 +6,8 @@ projection) and returns ``silu(gate) * up``. ``swiglu_quant`` writes that produc
 (1x128 groups, and if asked the token-transposed per-expert layout the weight-gradient GEMM reads)
 without the bf16 round trip through memory; its bits equal ``quantize_act(swiglu(h))``.
 RMSNorm's backward writes per-program partial sums of the weight gradient and adds them with torch,
-so the result does not depend on atomics.
+so the result does not depend on atomics. ``moe_sum`` is the end of an MoE layer, the residual plus
+the gate-weighted sum of each token's k expert outputs, in one pass (its backward in one more).
 """
 
 import torch
@@ -319,3 +320,93 @@ def rmsnorm_backward_reference(dy: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -
     wdy = w.float() * dy.float()
     dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)) * rstd[:, None]
     return dx.to(x.dtype), (dy.float() * xhat).sum(0).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE output: residual + gate-weighted sum of the k expert outputs
+
+
+@triton.jit
+def _moe_sum_kernel(r_ptr, y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row t: out[t] = r[t] + sum_j w[t, j] * y[t, j] (fp32 accumulation, one rounding)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.load(r_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K):
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += tl.load(y_ptr + (t * K + j) * H + cols, mask=mask, other=0.0).to(tl.float32) * wj
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _moe_sum_bwd_kernel(g_ptr, y_ptr, w_ptr, dy_ptr, dw_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row t: dy[t, j] = g[t] * w[t, j], dw[t, j] = <g[t], y[t, j]> (fp32)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    g = tl.load(g_ptr + t * H + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K):
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        y = tl.load(y_ptr + (t * K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + (t * K + j) * H + cols, (g * wj).to(dy_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_ptr + t * K + j, tl.sum(g * y, axis=0).to(dw_ptr.dtype.element_ty))
+
+
+def _check_moe_sum(r: Tensor, y: Tensor, w: Tensor) -> None:
+    if y.dim() != 3 or w.shape != y.shape[:2] or r.shape != (y.shape[0], y.shape[2]):
+        raise ValueError(
+            f"r, y, w: expected [T, H], [T, k, H], [T, k], got {tuple(r.shape)}, {tuple(y.shape)}, "
+            f"{tuple(w.shape)}"
+        )
+
+
+def _moe_sum_launch(y: Tensor) -> tuple[int, int]:
+    block_h = triton.next_power_of_2(y.shape[2])
+    return block_h, 8 if block_h >= 4096 else 4
+
+
+def moe_sum(r: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """r + sum_j w[:, j] * y[:, j]: r [T, H] residual, y [T, k, H] expert outputs, w [T, k] gate
+    weights -> [T, H] in r's dtype, accumulated in float32 and rounded once."""
+    _check_moe_sum(r, y, w)
+    if not use_triton(y):
+        return moe_sum_reference(r, y, w)
+    r, y, w = r.contiguous(), y.contiguous(), w.contiguous()
+    T, K, H = y.shape
+    out = torch.empty_like(r)
+    block_h, warps = _moe_sum_launch(y)
+    if T:
+        _moe_sum_kernel[(T,)](r, y, w, out, H, K=K, BLOCK_H=block_h, num_warps=warps)
+    return out
+
+
+def moe_sum_backward(g: Tensor, y: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of moe_sum for its output gradient g [T, H]: (dy [T, k, H] in y's dtype, dw [T, k]
+    in w's dtype); the residual's gradient is g itself."""
+    _check_moe_sum(g, y, w)
+    if not use_triton(y):
+        return moe_sum_backward_reference(g, y, w)
+    g, y, w = g.contiguous(), y.contiguous(), w.contiguous()
+    T, K, H = y.shape
+    dy, dw = torch.empty_like(y), torch.empty_like(w)
+    block_h, warps = _moe_sum_launch(y)
+    if T:
+        _moe_sum_bwd_kernel[(T,)](g, y, w, dy, dw, H, K=K, BLOCK_H=block_h, num_warps=warps)
+    return dy, dw
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def moe_sum_reference(r: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    acc = _acc_dtype(r)
+    return (r.to(acc) + torch.einsum("tkh,tk->th", y.to(acc), w.to(acc))).to(r.dtype)
+
+
+def moe_sum_backward_reference(g: Tensor, y: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    acc = _acc_dtype(g)
+    gf = g.to(acc)
+    dy = gf[:, None, :] * w.to(acc)[:, :, None]
+    return dy.to(y.dtype), torch.einsum("th,tkh->tk", gf, y.to(acc)).to(w.dtype)

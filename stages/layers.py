@@ -12,14 +12,79 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from fmoe.kernels._triton import use_triton
 from fmoe.stages.primitives import grouped_linear, linear
 from torch import Tensor
+
+
+def _fused(t: Tensor) -> bool:
+    """Whether a block runs its fused Triton kernels (``fmoe.kernels.fused``): CUDA tensors only.
+    On the CPU the blocks stay plain torch ops (float64 gradient tests, exact Hugging Face parity);
+    the kernels themselves are tested against their references under the interpreter."""
+    return t.is_cuda and use_triton(t)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        from fmoe.kernels import fused
+
+        x2 = x.reshape(-1, x.shape[-1])
+        y, rstd = fused.rmsnorm(x2, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        from fmoe.kernels import fused
+
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = fused.rmsnorm_backward(dy.reshape(x2.shape).contiguous(), x2, weight, rstd)
+        return dx.view(dy.shape), dw, None
+
+
+class _FusedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: Tensor) -> Tensor:
+        from fmoe.kernels import fused
+
+        ctx.save_for_backward(gate_up)
+        return fused.swiglu(gate_up)
+
+    @staticmethod
+    def backward(ctx, da: Tensor):
+        from fmoe.kernels import fused
+
+        (gate_up,) = ctx.saved_tensors
+        return fused.swiglu_backward(gate_up, da.contiguous())
+
+
+class _FusedMoeSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r: Tensor, y: Tensor, w: Tensor) -> Tensor:
+        from fmoe.kernels import fused
+
+        ctx.save_for_backward(y, w)
+        return fused.moe_sum(r, y, w)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        from fmoe.kernels import fused
+
+        y, w = ctx.saved_tensors
+        dy, dw = fused.moe_sum_backward(g, y, w)
+        return g, dy, dw
+
 
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim, computed in float32 as Hugging Face does. x: [..., D], weight: [D]."""
+    """RMSNorm over the last dim, computed in float32 as Hugging Face does. x: [..., D], weight: [D].
+    On CUDA one fused kernel each way (its single rounding of ``x * rstd * weight`` differs from
+    Hugging Face's two in the last bit of bf16)."""
+    if _fused(x) and x.stride(-1) == 1:
+        return _FusedRMSNorm.apply(x, weight, eps)
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -140,6 +205,8 @@ def load_balancing_loss(probs: Tensor, ids: Tensor, num_experts: int, group=None
 
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up [..., 2I] laid out as [gate | up] -> [..., I]."""
+    if _fused(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return _FusedSwiGLU.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -166,20 +233,77 @@ def expert_order(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     return order, torch.cumsum(counts, 0).to(torch.int32)
 
 
+def inverse_permutation(order: Tensor) -> Tensor:
+    """inverse[order[i]] = i for a permutation ``order`` [n] int64."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
+# Both directions of the expert permutation are gathers, forward and backward. Autograd's own
+# backward of ``index_select`` is an ``index_add_`` (atomics on CUDA, ~0.5 ms per 32k x 2048 rows
+# on an H200 and not deterministic when a token's k copies meet); with the inverse permutation the
+# gradient is a gather too, and a token's k copies are summed in a fixed order.
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, order: Tensor, top_k: int) -> Tensor:
+        return x.index_select(0, order // top_k)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, order, top_k = inputs
+        ctx.save_for_backward(order)
+        ctx.top_k = top_k
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        dx = grad.index_select(0, inverse_permutation(order)).view(-1, ctx.top_k, grad.shape[-1]).sum(1)
+        return dx, None, None
+
+
+class _UnpermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(y: Tensor, order: Tensor, top_k: int) -> Tensor:
+        return y.index_select(0, inverse_permutation(order)).view(-1, top_k, y.shape[-1])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        return grad.reshape(-1, grad.shape[-1]).index_select(0, order), None, None
+
+
 def permute_rows(x: Tensor, order: Tensor, top_k: int) -> Tensor:
-    """Expert-grouped copy of the token rows: x [T, H] -> [n, H], row i = x[order[i] // k]."""
-    return x.index_select(0, order // top_k)
+    """Expert-grouped copy of the token rows: x [T, H] -> [n = T*k, H], row i = x[order[i] // k].
+    ``order`` [n] int64 must be a permutation of the n routing slots (dispatch's stable sort)."""
+    return _PermuteRows.apply(x, order, top_k)
 
 
 def unpermute_rows(y: Tensor, order: Tensor, top_k: int) -> Tensor:
     """Inverse of :func:`permute_rows`: y [n, H] expert-grouped -> [T, k, H] in token order."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y.index_select(0, inverse).view(-1, top_k, y.shape[-1])
+    return _UnpermuteRows.apply(y, order, top_k)
+
+
+def moe_output(h1: Tensor, y: Tensor, w: Tensor) -> Tensor:
+    """End of an MoE layer: the residual plus the gate-weighted sum of each token's k expert outputs.
+    h1 [..., H] with T tokens, y [T, k, H], w [T, k] -> [..., H] (one fused pass on CUDA)."""
+    if _fused(y):
+        return _FusedMoeSum.apply(h1.reshape(-1, h1.shape[-1]), y, w).view(h1.shape)
+    return h1 + torch.einsum("tkh,tk->th", y, w.to(y.dtype)).view_as(h1)
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean token cross-entropy in float32; labels of -100 are ignored. logits [T, V], labels [T]."""
+    """Mean token cross-entropy in float32; labels of -100 are ignored. logits [T, V], labels [T].
+    On CUDA a fused kernel that reads the logits once each way and never makes a float32 copy of
+    them (``fmoe.kernels.cross_entropy``); labels outside [0, V) then give a NaN loss, unchecked."""
+    if _fused(logits):
+        from fmoe.kernels.cross_entropy import cross_entropy as fused_cross_entropy
+
+        return fused_cross_entropy(logits, labels, ignore_index=-100)
     return F.cross_entropy(logits.float(), labels, ignore_index=-100)
 
 

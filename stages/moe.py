@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from fmoe.stages.layers import unpermute_rows
 from fmoe.stages.primitives import linear
 from torch import Tensor
 
@@ -332,9 +333,7 @@ def ep_combine(y_buf: Tensor, order: Tensor, back_index: Tensor, splits: Tensor,
     y_pad = torch.cat([y_buf, y_buf.new_zeros((1, y_buf.shape[1]))])  # row n_kept: a dropped slot
     y_ret = y_pad.index_select(0, back_index)  # each real row once: its backward has no collisions
     y_src = all_to_all(y_ret, splits[2].tolist(), splits[3].tolist(), group)  # [n, H] in ``order``
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y_src.index_select(0, inverse).view(-1, top_k, y_buf.shape[1])
+    return unpermute_rows(y_src, order, top_k)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def aggregate(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, .
         h1, y = inputs
         return (h1 + y.view_as(h1),)
     h1, y, w = inputs
-    return (h1 + torch.einsum("tkh,tk->th", y, w.to(y.dtype)).view_as(h1),)
+    return (layers.moe_output(h1, y, w),)
 
 
 def head_logits(cfg: Qwen3MoeConfig, p: Params, h: Tensor) -> Tensor:

@@ -133,6 +133,7 @@ def ep_step(
     num_experts = getattr(model.config, "num_experts", 0)
     loads: dict[int, Tensor] = {}
     grads: dict[str, Tensor] = {}
+    merge_later: dict = {}  # expert weight GEMMs, merged over the step's microbatches
     losses = []
     for i, mb in enumerate(runner.split_microbatches(batch_local, num_microbatches)):
         ctx = StageContext(microbatch=rank * num_microbatches + i, seed=seed, groups=groups)
@@ -149,7 +150,8 @@ def ep_step(
             terms.extend(stage_terms)
         losses.append(runner.sum_terms(terms))
         works = runner.backward_microbatch(fwds, 1.0 / (ep * num_microbatches))
-        runner.accumulate(grads, runner.weight_grads(works))
+        runner.accumulate(grads, runner.weight_grads(works, merge_later))
+    runner.accumulate(grads, runner.merged_weight_grads(merge_later))
     grads = runner.zero_missing(grads, params_local, model.param_names())
     local_losses = torch.stack(losses)
     if ep > 1:

@@ -155,15 +155,16 @@ def _local_step(
 ) -> runner.StepResult:
     """pp = 1: every stage on this rank, microbatch after microbatch (F all, B all, W all)."""
     grads: dict[str, Tensor] = {}
+    merge_later: dict = {}  # expert weight GEMMs, merged over the step's microbatches
     losses = []
     groups = mesh.stage_groups()
     for i, mb in enumerate(runner.split_microbatches(batch, num_microbatches)):
         ctx = StageContext(microbatch=mesh.data_rank * num_microbatches + i, seed=seed, groups=groups)
         fwds, loss = runner.forward_microbatch(model, params, mb, ctx)
         losses.append(loss)
-        runner.accumulate(
-            grads, runner.weight_grads(runner.backward_microbatch(fwds, 1.0 / num_microbatches))
-        )
+        works = runner.backward_microbatch(fwds, 1.0 / num_microbatches)
+        runner.accumulate(grads, runner.weight_grads(works, merge_later))
+    runner.accumulate(grads, runner.merged_weight_grads(merge_later))
     return runner.StepResult(
         runner.mean_loss(losses), runner.zero_missing(grads, params, list(params)), losses
     )

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from fmoe import stage as S
+from fmoe.stages.primitives import GroupedWeightGrad, merge_grouped_weight_grads
 from fmoe.stages.spec import Model, Stage, StageContext
 
 Batch = Mapping[str, Tensor]
@@ -119,12 +120,21 @@ def backward_microbatch(fwds: Sequence[S.Forwarded], loss_scale: float) -> list[
     return works  # type: ignore[return-value]
 
 
-def weight_grads(works: Sequence[S.WeightGradWork]) -> dict[str, Tensor]:
-    """W of every stage, summed by parameter name."""
+def weight_grads(
+    works: Sequence[S.WeightGradWork], merge_later: dict[str, list[GroupedWeightGrad]] | None = None
+) -> dict[str, Tensor]:
+    """W of every stage, summed by parameter name (expert GEMMs left in ``merge_later`` if given)."""
     total: dict[str, Tensor] = {}
     for work in works:
-        accumulate(total, S.backward_weight(work))
+        accumulate(total, S.backward_weight(work, merge_later))
     return total
+
+
+def merged_weight_grads(merge_later: dict[str, list[GroupedWeightGrad]]) -> dict[str, Tensor]:
+    """The expert weight gradients that ``weight_grads`` left, one merged GEMM per parameter."""
+    grads = {name: merge_grouped_weight_grads(parts) for name, parts in merge_later.items()}
+    merge_later.clear()
+    return grads
 
 
 def zero_missing(
@@ -140,18 +150,25 @@ def run_sequential(
     batch: Batch,
     num_microbatches: int = 1,
     seed: int = 0,
+    merge_expert_grads: bool = True,
 ) -> StepResult:
     """One training step's loss and gradients: per microbatch F of all stages, B last to first, then W.
 
     batch: {"tokens": [b, s] int64, "labels": [b, s] int64, optional "positions"}.
+    merge_expert_grads: run the expert-grouped weight GEMMs once for the whole step over all its
+    microbatches' rows (``merge_grouped_weight_grads``) instead of once per microbatch plus an add;
+    the inputs and output gradients of those GEMMs are then held until the step's end.
     """
     microbatches = split_microbatches(batch, num_microbatches)
     grads: dict[str, Tensor] = {}
+    merge_later: dict[str, list[GroupedWeightGrad]] | None = {} if merge_expert_grads else None
     losses = []
     for i, mb in enumerate(microbatches):
         fwds, loss = forward_microbatch(model, params, mb, StageContext(microbatch=i, seed=seed))
         losses.append(loss)
-        accumulate(grads, weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches)))
+        accumulate(grads, weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches), merge_later))
+    if merge_later:
+        accumulate(grads, merged_weight_grads(merge_later))
     return StepResult(mean_loss(losses), zero_missing(grads, params, model.param_names()), losses)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fmoe.stages.primitives import WeightGradTape, defer_weight_grads
+from fmoe.stages.primitives import GroupedWeightGrad, WeightGradTape, defer_weight_grads
 from fmoe.stages.spec import Stage, StageContext
 
 
@@ -199,8 +199,15 @@ def backward_input(
     return grad_inputs, work
 
 
-def backward_weight(work: WeightGradWork) -> dict[str, Tensor]:
-    """W: {global name: gradient} for every parameter of the stage that received one."""
+def backward_weight(
+    work: WeightGradWork, merge_later: dict[str, list[GroupedWeightGrad]] | None = None
+) -> dict[str, Tensor]:
+    """W: {global name: gradient} for every parameter of the stage that received one.
+
+    merge_later: if given, expert-grouped weight GEMMs are not run but appended to
+    ``merge_later[name]``, for the caller to merge over microbatches
+    (``fmoe.stages.primitives.merge_grouped_weight_grads``); their names are then absent here.
+    """
     stage = work.stage
     if stage.custom is not None:
         local_grads = stage.custom.backward_weight(work.params, work.custom_saved)
@@ -212,6 +219,9 @@ def backward_weight(work: WeightGradWork) -> dict[str, Tensor]:
             raise StageError(
                 f"stage {stage.name!r}: a deferred weight GEMM used a tensor that is not one of its params"
             )
+        if merge_later is not None and isinstance(compute, GroupedWeightGrad):
+            merge_later.setdefault(name, []).append(compute)
+            continue
         with torch.no_grad():  # taped activations still require grad; W builds no graph
             g = compute()
         grads[name] = grads[name] + g if name in grads else g

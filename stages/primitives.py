@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GroupedWeightGrad",
     "WeightGradTape",
     "defer_weight_grads",
     "grouped_linear",
@@ -29,6 +30,7 @@ __all__ = [
     "active_tape",
     "fp8_training",
     "linear",
+    "merge_grouped_weight_grads",
 ]
 
 
@@ -132,6 +134,53 @@ def grouped_mm_weight_grad(x: Tensor, dy: Tensor, offs: Tensor, num_groups: int)
     return out
 
 
+@dataclass(frozen=True)
+class GroupedWeightGrad:
+    """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
+    so that a step can merge the W of several microbatches into one GEMM
+    (:func:`merge_grouped_weight_grads`). x [n, k], dy [n, m], offs [E] int32 with offs[-1] = n."""
+
+    x: Tensor
+    dy: Tensor
+    offs: Tensor
+    num_groups: int
+
+    def __call__(self) -> Tensor:
+        return grouped_mm_weight_grad(self.x, self.dy, self.offs, self.num_groups)
+
+
+@torch.no_grad()
+def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
+    """``sum(part() for part in parts)`` as one grouped GEMM over the rows of every part, regrouped
+    by expert (one copy of each x and dy, no host sync).
+
+    With 128 experts and a few thousand tokens per microbatch, each microbatch's expert gradient is
+    a thin GEMM (a few hundred rows per expert) whose [E, m, k] output is as large as the weight;
+    writing and adding it once per microbatch costs more than the GEMM. Merged, the gradient is
+    written once per step and each expert's GEMM is as deep as all its rows of the step.
+    """
+    if len(parts) == 1:
+        return parts[0]()
+    first = parts[0]
+    E, device = first.num_groups, first.x.device
+    counts = torch.stack([torch.diff(p.offs.to(torch.int64), prepend=p.offs.new_zeros(1)) for p in parts])
+    per_expert = counts.sum(0)  # [E] rows of each expert over all parts
+    expert_start = torch.cumsum(per_expert, 0) - per_expert
+    earlier = torch.cumsum(counts, 0) - counts  # [parts, E] rows of expert e in the parts before
+    n = sum(p.x.shape[0] for p in parts)
+    x = first.x.new_empty(n, first.x.shape[1])
+    dy = first.dy.new_empty(n, first.dy.shape[1])
+    experts = torch.arange(E, device=device)
+    for i, p in enumerate(parts):
+        rows = p.x.shape[0]
+        e = torch.repeat_interleave(experts, counts[i], output_size=rows)
+        within = torch.arange(rows, device=device) - (p.offs.to(torch.int64) - counts[i])[e]
+        dest = expert_start[e] + earlier[i, e] + within
+        x.index_copy_(0, dest, p.x)
+        dy.index_copy_(0, dest, p.dy)
+    return grouped_mm_weight_grad(x, dy, torch.cumsum(per_expert, 0).to(torch.int32), E)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(x: Tensor, w: Tensor) -> Tensor:
@@ -180,7 +229,7 @@ class _GroupedLinear(torch.autograd.Function):
         num_groups = w.shape[0]
         tape = ctx.tape
         if tape is not None:
-            tape.record(ctx.weight, lambda: grouped_mm_weight_grad(x, dy, offs, num_groups))
+            tape.record(ctx.weight, GroupedWeightGrad(x, dy, offs, num_groups))
             return dx, None, None
         return dx, grouped_mm_weight_grad(x, dy, offs, num_groups), None
 

@@ -175,3 +175,42 @@ def test_top_k_larger_than_the_experts_is_refused():
         ValueError, match=r"num_experts_per_tok \(9\) must be between 1 and num_experts \(8\)"
     ):
         tiny_config(num_experts_per_tok=9)
+
+
+def test_merged_grouped_weight_grads_equal_the_sum_of_the_parts():
+    from fmoe.stages.primitives import GroupedWeightGrad, merge_grouped_weight_grads
+
+    gen = torch.Generator().manual_seed(0)
+    E, k, m = 5, 6, 4
+    parts = []
+    for rows, empty in [(13, (0,)), (0, ()), (9, (2, 4)), (21, ())]:
+        probs = torch.ones(E)
+        probs[list(empty)] = 0
+        ids = torch.multinomial(probs, rows, replacement=True, generator=gen) if rows else torch.zeros(0)
+        offs = torch.cumsum(torch.bincount(ids.long(), minlength=E), 0).to(torch.int32)
+        x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+        parts.append(GroupedWeightGrad(x, torch.randn(rows, m, generator=gen, dtype=torch.float64), offs, E))
+    got = merge_grouped_weight_grads(parts)
+    want = sum(p() for p in parts)
+    assert got.shape == (E, m, k)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_step_merges_expert_weight_grads_over_microbatches(monkeypatch):
+    from fmoe.stages import primitives
+
+    cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=(0,))
+    model = qwen3_moe.build(cfg)
+    params = model.init(seed=1, dtype=torch.float64)
+    batch = random_batch(cfg, 6, 8, seed=2)
+    calls = []
+    real = primitives.grouped_mm_weight_grad
+    monkeypatch.setattr(primitives, "grouped_mm_weight_grad", lambda *a: (calls.append(1), real(*a))[1])
+    merged = runner.run_sequential(model, params, batch, num_microbatches=3)
+    assert len(calls) == 2  # one MoE layer: gate_up and down, once for the whole step
+    calls.clear()
+    apart = runner.run_sequential(model, params, batch, num_microbatches=3, merge_expert_grads=False)
+    assert len(calls) == 2 * 3
+    assert torch.equal(merged.loss, apart.loss)
+    for name, g in apart.grads.items():
+        assert torch.allclose(merged.grads[name], g, rtol=1e-12, atol=1e-14), name

@@ -19,6 +19,7 @@ model TFLOP/s = FLOPs per step / step time; MFU against 989 TFLOP/s dense bf16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -146,15 +147,15 @@ def eager_step_fn(cfg, device, dtype):
 
 def fmoe_fp8_step_fn(cfg, device, dtype):
     """fmoe with its FP8 GEMMs (attention projections and experts; router and head stay bf16)."""
-    from fmoe.stages.primitives import fp8_training
+    return fmoe_step_fn(cfg, device, dtype, fp8=True)
 
-    step = fmoe_step_fn(cfg, device, dtype)
 
-    def fp8_step(tokens, labels):
-        with fp8_training(True):
-            step(tokens, labels)
-
-    return fp8_step
+# fmoe with one of its speed-ups taken out, to measure each one side by side with the others on
+FMOE_VARIANTS = {
+    "fmoe_unfused": {"fused_blocks": False},  # RMSNorm, SwiGLU, MoE output sum, cross-entropy
+    "fmoe_unmerged": {"merge_expert_grads": False},  # expert weight GEMMs once per microbatch + add
+    "fmoe_fp32_grads": {"fp32_grads": True},  # fp32 copy of every gradient before the optimizer
+}
 
 
 CATEGORIES = (  # kernel-name patterns -> share of the step, first match wins
@@ -168,8 +169,9 @@ CATEGORIES = (  # kernel-name patterns -> share of the step, first match wins
 )
 
 
-def profile_step(step, tokens, labels, steps: int = 2) -> dict:
-    """Share of step time per kind of kernel, and the GPU's idle share, from torch.profiler."""
+def profile_step(step, tokens, labels, steps: int = 2, top_kernels: int = 25) -> dict:
+    """Share of step time per kind of kernel, the GPU's idle share and the kernels that take the
+    most time, from torch.profiler."""
     import time as _time
 
     from torch.profiler import ProfilerActivity, profile
@@ -192,10 +194,32 @@ def profile_step(step, tokens, labels, steps: int = 2) -> dict:
     busy = sum(by_cat.values())
     shares = {k: v / wall_us for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
     shares["idle (GPU waiting on the host)"] = max(0.0, 1.0 - busy / wall_us)
-    return {"wall_ms_per_step": wall_us / 1e3 / steps, "share": shares}
+    kernels = sorted(
+        ((ev.key, getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0), ev.count)
+         for ev in prof.key_averages() if not ev.key.startswith("ProfilerStep")),
+        key=lambda kv: -kv[1],
+    )  # fmt: skip
+    top = [
+        {"kernel": k[:120], "ms_per_step": us / 1e3 / steps, "calls_per_step": n / steps}
+        for k, us, n in kernels[:top_kernels]
+        if us > 0
+    ]
+    return {"wall_ms_per_step": wall_us / 1e3 / steps, "share": shares, "top_kernels": top}
 
 
-def fmoe_step_fn(cfg, device, dtype):
+def fmoe_step_fn(
+    cfg,
+    device,
+    dtype,
+    *,
+    fp8: bool = False,
+    fused_blocks: bool = True,
+    merge_expert_grads: bool = True,
+    fp32_grads: bool = False,
+):
+    from fmoe.stages import layers
+    from fmoe.stages.primitives import fp8_training
+
     model = qwen3_moe.build(cfg)
     params = model.init(seed=0, dtype=torch.float32, device=device)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1))
@@ -204,11 +228,31 @@ def fmoe_step_fn(cfg, device, dtype):
     def step(tokens, labels):
         p = state["params"]
         compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
-        out = runner.run_sequential(model, compute, {"tokens": tokens, "labels": labels}, tokens.shape[0])
-        grads = {n: g.float() for n, g in out.grads.items()}
+        unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
+        with fp8_training(fp8), unfused:
+            out = runner.run_sequential(
+                model,
+                compute,
+                {"tokens": tokens, "labels": labels},
+                tokens.shape[0],
+                merge_expert_grads=merge_expert_grads,
+            )
+        del compute
+        # the optimizer reads the bf16 gradients as they are (its kernel widens them to fp32)
+        grads = {n: g.float() for n, g in out.grads.items()} if fp32_grads else out.grads
         state["params"], state["opt"] = optim.step(tx, grads, state["opt"], p)
 
     return step
+
+
+@contextlib.contextmanager
+def _blocks_unfused(layers):
+    fused = layers._fused
+    layers._fused = lambda t: False
+    try:
+        yield
+    finally:
+        layers._fused = fused
 
 
 def main(argv=None) -> dict:
@@ -222,9 +266,15 @@ def main(argv=None) -> dict:
         "--microbatches", type=int, default=1, help="sequences per optimizer step, one per micro-batch"
     )
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--sides", default="eager,fmoe", help="comma list of: eager, fmoe, fmoe_fp8")
     ap.add_argument(
-        "--profile", action="store_true", help="CUDA: time shares of the fmoe step by kernel kind"
+        "--sides",
+        default="eager,fmoe",
+        help="comma list of: eager, fmoe, fmoe_fp8, " + ", ".join(FMOE_VARIANTS),
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: time shares of each side's step by kernel kind, and its top kernels",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -238,22 +288,25 @@ def main(argv=None) -> dict:
     flops = m * seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
     results = {}
     for side in args.sides.split(","):
-        make = {"eager": eager_step_fn, "fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
-        step = make(cfg, args.device, dtype)
+        if side in FMOE_VARIANTS:
+            step = fmoe_step_fn(cfg, args.device, dtype, **FMOE_VARIANTS[side])
+        else:
+            make = {"eager": eager_step_fn, "fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
+            step = make(cfg, args.device, dtype)
         ms = time_ms(
             lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device
         )
         tflops = flops / (ms / 1e3) / 1e12
         results[side] = {"step_ms": ms, "tokens_per_s": m * seq / (ms / 1e3), "model_tflops": tflops,
                          "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
-        if args.profile and args.device == "cuda" and side.startswith("fmoe"):
+        if args.profile and args.device == "cuda":
             results[side]["profile"] = profile_step(step, tokens, labels)
         if args.device == "cuda":
             results[side]["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         del step
-    for side in ("fmoe", "fmoe_fp8"):
+    for side in ("fmoe", "fmoe_fp8", *FMOE_VARIANTS):
         if "eager" in results and side in results:
             results[f"{side}_over_eager"] = results["eager"]["step_ms"] / results[side]["step_ms"]
     record = {

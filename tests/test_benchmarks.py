@@ -23,3 +23,17 @@ def test_throughput_benchmark_runs_on_cpu_for_fmoe_and_the_eager_baseline(tmp_pa
     for side in ("eager", "fmoe"):
         assert result["results"][side]["model_tflops"] > 0
     assert result["results"]["fmoe_over_eager"] > 0
+
+
+def test_throughput_benchmark_variants_run_on_cpu(tmp_path):
+    sides = ",".join(["fmoe_fp8", *train_throughput.FMOE_VARIANTS])
+    args = "--device cpu --tiny --steps 1 --warmup 1 --microbatches 2 --sides".split()
+    result = train_throughput.main([*args, sides])
+    for side in sides.split(","):
+        assert result["results"][side]["step_ms"] > 0, side
+
+
+def test_cross_entropy_benchmark_runs_on_cpu():
+    from benchmarks import bench_cross_entropy
+
+    bench_cross_entropy.main(["--device", "cpu", "--tiny"])

@@ -8,6 +8,14 @@ Without CUDA (or with --device cpu) the default is 8 x 65,536 so that a test can
 Each case is timed over --iters steps after --warmup steps, --repeats times; CUDA cases with CUDA
 events, CPU cases with perf_counter. The JSON holds the device, versions, date, median and min ms
 per step of every case and each case's ratio to torch.optim.AdamW(fused=True).
+
+bf16 gradients (what a bf16 model's backward gives, fp32 master params): ``fmoe_clip_adamw_bf16_step``
+is ``chain(clip_by_global_norm, adamw)`` through ``optim.step`` on the bf16 grads as they are (the
+clip factor folded into fmoe's AdamW kernel); ``fmoe_clip_adamw_bf16_old_route`` the same step the
+old way: an fp32 copy of every grad, the clip's ``_foreach_mul_`` pass, then ``torch._fused_adamw_``.
+Both build the same parameter set (same seeds); ``ratio_bf16_fused_vs_old_route`` compares them.
+On an H200 (torch 2.11, Triton 3.6): 7.96 vs 15.77 ms for the default 1.07B params, 23.1 vs 46.6 ms
+for 96 x 2**25 = 3.2B (``--tensors 96 --numel 33554432``).
 """
 
 from __future__ import annotations
@@ -107,6 +115,29 @@ def _fmoe(tx_fn, route="step"):
     return build
 
 
+def _fmoe_clip_adamw_bf16(route: str):
+    """chain(clip, adamw) on bf16 grads: "fused" hands them to optim.step as they are; "old" makes
+    the fp32 copy, scales it with the clip's update (``_foreach_mul_``) and runs torch's fused AdamW."""
+
+    def build(n, numel, device):
+        params = {f"layers.{i}.w": p for i, p in enumerate(_tensors(n, numel, device, 0))}
+        grads = {name: g.bfloat16() for name, g in zip(params, _tensors(n, numel, device, 1))}
+        clip, adam = optim.clip_by_global_norm(MAX_NORM), optim.adamw(_schedule(), *BETAS, EPS, WD)
+        tx = optim.chain(clip, adam)
+        box = [params, tx.init(params)]
+
+        def run():
+            if route == "fused":
+                box[0], box[1] = optim.step(tx, grads, box[1], box[0])
+            else:
+                g32, box[1] = clip.update({k: g.float() for k, g in grads.items()}, box[1], box[0])
+                box[0], box[1] = optim.step(adam, g32, box[1], box[0])
+
+        return run
+
+    return build
+
+
 def _torchopt(accelerated: bool):
     def build(n, numel, device):
         import torchopt
@@ -138,6 +169,8 @@ CASES: dict[str, Callable] = {
     "fmoe_clip_adamw_step": _fmoe(
         lambda: optim.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(_schedule(), *BETAS, EPS, WD))
     ),
+    "fmoe_clip_adamw_bf16_step": _fmoe_clip_adamw_bf16("fused"),
+    "fmoe_clip_adamw_bf16_old_route": _fmoe_clip_adamw_bf16("old"),
     "fmoe_adamw_update_apply": _fmoe(lambda: optim.adamw(LR, *BETAS, EPS, WD), route="update"),
     "torchopt_adamw": _torchopt(accelerated=False),
     "torchopt_adamw_accelerated": _torchopt(accelerated=True),
@@ -206,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": n * numel,
         "tensors": n,
         "numel": numel,
-        "dtype": "float32",
+        "dtype": "float32",  # params, moments and grads; the *_bf16_* cases take bf16 grads
         "iters": iters,
         "warmup": args.warmup,
         "repeats": args.repeats,
@@ -217,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_clip_vs_torch_clip_fused": (
             ms["fmoe_clip_adamw_step"] / ms["torch_clip_adamw_fused"]
             if {"fmoe_clip_adamw_step", "torch_clip_adamw_fused"} <= ms.keys()
+            else None
+        ),
+        "ratio_bf16_fused_vs_old_route": (
+            ms["fmoe_clip_adamw_bf16_step"] / ms["fmoe_clip_adamw_bf16_old_route"]
+            if {"fmoe_clip_adamw_bf16_step", "fmoe_clip_adamw_bf16_old_route"} <= ms.keys()
             else None
         ),
         "skipped": skipped,

@@ -187,7 +187,8 @@ def parallel_step(
 
     shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
     batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
-    the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch).
+    the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch). The
+    gradient shards are fp32 where they were summed over ranks, else in the compute dtype.
     """
     params = gather_params(shards, infos, mesh, dtype)
     mine = local_batch(batch, mesh)
@@ -204,7 +205,10 @@ def parallel_step(
     scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
     grads = result.grads
     if dtype is not None:
-        grads = {n: g.float() for n, g in grads.items()}
+        # Sums over ranks and the 1/ranks scale run in fp32. A gradient that nothing reduces or
+        # scales (one rank) goes to the optimizer in the compute dtype: its AdamW kernel reads it as
+        # it is, so the step writes no fp32 copy of every gradient.
+        grads = {n: g.float() if scale != 1.0 or infos[n].size > 1 else g for n, g in grads.items()}
     if scale != 1.0:
         grads = {n: g.mul_(scale) for n, g in grads.items()}  # the step owns these tensors
     grad_shards = reduce_scatter_grads(grads, infos, mesh)

@@ -27,7 +27,7 @@ def test_throughput_benchmark_runs_on_cpu_for_fmoe_and_the_eager_baseline(tmp_pa
 
 def test_throughput_benchmark_variants_run_on_cpu(tmp_path):
     sides = ",".join(["fmoe_fp8", *train_throughput.FMOE_VARIANTS])
-    args = "--device cpu --tiny --steps 1 --warmup 1 --microbatches 2 --sides".split()
+    args = ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--microbatches", "2", "--sides"]
     result = train_throughput.main([*args, sides])
     for side in sides.split(","):
         assert result["results"][side]["step_ms"] > 0, side

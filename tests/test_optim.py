@@ -131,7 +131,8 @@ def test_update_never_modifies_params():
         assert torch.equal(params[n], before[n])
 
 
-def test_step_makes_no_host_sync(monkeypatch):
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_step_makes_no_host_sync(kernel_everywhere, monkeypatch, grad_dtype):
     """The step loop never pulls a value to the host: .item(), bool(), float(), int(), tolist() all raise."""
 
     def sync(*args, **kwargs):
@@ -143,7 +144,8 @@ def test_step_makes_no_host_sync(monkeypatch):
     for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, sync)
     for s in range(3):
-        params, state = optim.step(tx, _grads(s, params), state, params)
+        grads = {n: g.to(grad_dtype) for n, g in _grads(s, params).items()}
+        params, state = optim.step(tx, grads, state, params)
     monkeypatch.undo()
     assert int(state["step"]) == 3
 
@@ -250,6 +252,224 @@ def test_bench_optim_runs_on_cpu_and_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["params"] == 4 * 4096
     cases = result["ms_per_step"]
-    for case in ("torch_adamw_fused", "torch_adamw_foreach", "fmoe_adamw_step", "fmoe_clip_adamw_step"):
+    for case in (
+        "torch_adamw_fused",
+        "torch_adamw_foreach",
+        "fmoe_adamw_step",
+        "fmoe_clip_adamw_step",
+        "fmoe_clip_adamw_bf16_step",
+        "fmoe_clip_adamw_bf16_old_route",
+    ):
         assert cases[case] > 0
     assert result["ratio_vs_torch_fused"]["fmoe_adamw_step"] > 0
+    assert result["ratio_bf16_fused_vs_old_route"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# gradients in another dtype than the params, and the clip factor folded into AdamW's kernel
+
+
+@pytest.fixture
+def kernel_everywhere(monkeypatch):
+    """fmoe's AdamW kernel for tensors of any size (by default small ones take the copy route)."""
+    monkeypatch.setattr(optim, "KERNEL_MIN_NUMEL", 0)
+
+
+def _bf16_grads(step: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: g.bfloat16() for n, g in _grads(step, like).items()}
+
+
+def _clip_adamw(sched, mask, sq_norm_reduce=None):
+    clip = optim.clip_by_global_norm(1.0, sq_norm_reduce=sq_norm_reduce)
+    adam = optim.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=mask)
+    return clip, adam, optim.chain(clip, adam)
+
+
+def _old_route(clip, adam, grads, state, params):
+    """What the trainer did before: an fp32 copy of the grads, the clip's scaling pass, torch's AdamW."""
+    g32, state = clip.update({n: g.float() for n, g in grads.items()}, state, params)
+    return optim.step(adam, g32, state, params)
+
+
+@pytest.mark.parametrize("route", ["kernel", "small_tensors_copy"])
+@pytest.mark.parametrize("sq_norm_reduce", [None, lambda sq: 4.0 * sq])
+def test_chain_clip_adamw_on_bf16_grads_equals_float_grads_through_the_old_path(
+    sq_norm_reduce, route, monkeypatch
+):
+    if route == "kernel":
+        monkeypatch.setattr(optim, "KERNEL_MIN_NUMEL", 0)
+    sched = optim.warmup_cosine(3e-2, warmup=2, total=STEPS, final=3e-3)
+    mask = optim.default_decay_mask(_params())
+    clip, adam, tx = _clip_adamw(sched, mask, sq_norm_reduce)
+    new, old = _params(), _params()
+    s_new, s_old = tx.init(new), tx.init(old)
+    for s in range(5):
+        grads = _bf16_grads(s, new)
+        before = {n: g.clone() for n, g in grads.items()}
+        new, s_new = optim.step(tx, grads, s_new, new)
+        old, s_old = _old_route(clip, adam, before, s_old, old)
+        assert all(torch.equal(grads[n], before[n]) for n in grads)  # read as they are: no scaling pass
+        torch.testing.assert_close(s_new["grad_norm"], s_old["grad_norm"], rtol=1e-6, atol=0)
+    want_norm = torch.cat([g.float().flatten() for g in _bf16_grads(4, new).values()]).norm()
+    factor = 2.0 if sq_norm_reduce is not None else 1.0  # the hook reached the fused step's norm
+    torch.testing.assert_close(s_new["grad_norm"], factor * want_norm, rtol=1e-6, atol=0)
+    assert float(s_new["grad_norm"]) > 1.0  # clipping was active
+    for n in new:
+        torch.testing.assert_close(new[n], old[n], rtol=0, atol=1e-6)
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(s_new[f"{k}/{n}"], s_old[f"{k}/{n}"], rtol=1e-6, atol=1e-6)
+    assert int(s_new["step"]) == 5
+
+
+def test_chain_step_scales_no_gradient_in_a_pass_of_its_own(kernel_everywhere, monkeypatch):
+    """The clip factor goes to the AdamW kernel: no _foreach_mul_ runs and no grad is copied to fp32."""
+    params = _params()
+    _, _, tx = _clip_adamw(1e-2, None)
+    state = tx.init(params)
+
+    grads = _bf16_grads(0, params)
+    ids = {id(g) for g in grads.values()}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a separate pass over the gradients")
+
+    def watch(method):
+        def wrapped(self, *args, **kwargs):
+            if id(self) in ids:
+                raise AssertionError(f"a {method.__name__} of a gradient")
+            return method(self, *args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(torch, "_foreach_mul_", refuse)
+    for name in ("float", "to", "clone", "contiguous", "mul", "mul_"):
+        monkeypatch.setattr(torch.Tensor, name, watch(getattr(torch.Tensor, name)))
+    params, state = optim.step(tx, grads, state, params)
+    monkeypatch.undo()
+    assert int(state["step"]) == 1 and float(state["grad_norm"]) > 1.0
+
+
+def test_clip_factor_is_the_scalar_its_update_multiplies_by():
+    params = _params()
+    grads = _grads(0, params)
+    clip = optim.clip_by_global_norm(0.5)
+    scale, s1 = clip.factor({n: g.clone() for n, g in grads.items()}, clip.init(params), params)
+    scaled, s2 = clip.update({n: g.clone() for n, g in grads.items()}, clip.init(params), params)
+    assert scale.shape == () and scale.dtype == torch.float32 and float(scale) < 1.0
+    torch.testing.assert_close(s1["grad_norm"], s2["grad_norm"], rtol=0, atol=0)
+    for n in grads:
+        torch.testing.assert_close(scaled[n], grads[n] * scale, rtol=0, atol=0)
+    assert clip.factor({}, clip.init(params), params)[0] is None  # nothing to scale
+
+
+def test_bf16_grads_without_clip_equal_their_float_copy(kernel_everywhere):
+    a, b = _params(), _params()
+    tx = optim.adamw(optim.warmup_stable_decay(1e-2, 2, 10, 4), weight_decay=0.1)
+    sa, sb = tx.init(a), tx.init(b)
+    for s in range(3):
+        a, sa = optim.step(tx, _bf16_grads(s, a), sa, a)
+        b, sb = optim.step(tx, {n: g.float() for n, g in _bf16_grads(s, b).items()}, sb, b)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+
+
+def test_update_route_with_bf16_grads_equals_the_fused_step(kernel_everywhere):
+    params = _params()
+    _, _, tx = _clip_adamw(1e-2, None)
+    state = tx.init(params)
+    updates, s_upd = tx.update(_bf16_grads(0, params), {k: v.clone() for k, v in state.items()}, params)
+    stepped, s_step = optim.step(tx, _bf16_grads(0, params), state, {n: p.clone() for n, p in params.items()})
+    for n in params:
+        torch.testing.assert_close(params[n] + updates[n], stepped[n], rtol=0, atol=1e-6)
+    torch.testing.assert_close(s_upd["grad_norm"], s_step["grad_norm"], rtol=0, atol=0)
+
+
+def _halve() -> optim.GradientTransformation:
+    """A stateless transformation that only scales, exposing its factor (0.5)."""
+
+    def factor(updates, state, params=None):
+        return torch.tensor(0.5), state
+
+    def update(updates, state, params=None):
+        return optim.scale_updates(updates, torch.tensor(0.5)), state
+
+    return optim.GradientTransformation(lambda params: {}, update, factor=factor)
+
+
+@pytest.mark.parametrize("order", ["halve_clip_adamw", "clip_halve_adamw"])
+def test_factors_before_other_members_are_applied_first_so_the_step_equals_update(kernel_everywhere, order):
+    """A pending factor is applied to the grads before a member that reads them (here: the next
+    factor's member); the chain's fused step still equals its update + apply."""
+    members = {"halve": _halve(), "clip": optim.clip_by_global_norm(0.5), "adamw": optim.adamw(1e-2)}
+    tx = optim.chain(*(members[k] for k in order.split("_")))
+    params = _params()
+    state = tx.init(params)
+    updates, s_upd = tx.update(_grads(0, params), {k: v.clone() for k, v in state.items()}, params)
+    stepped, s_step = optim.step(tx, _grads(0, params), state, {n: p.clone() for n, p in params.items()})
+    want_norm = torch.cat([g.flatten() for g in _grads(0, params).values()]).norm()
+    factor = 0.5 if order.startswith("halve") else 1.0  # the clip saw the halved grads
+    torch.testing.assert_close(s_step["grad_norm"], factor * want_norm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(s_upd["grad_norm"], s_step["grad_norm"], rtol=0, atol=0)
+    for n in params:
+        torch.testing.assert_close(params[n] + updates[n], stepped[n], rtol=0, atol=1e-6)
+
+
+def test_chain_step_accepts_an_outer_grad_scale(kernel_everywhere):
+    a, b = _params(), _params()
+    _, _, tx = _clip_adamw(1e-2, None)
+    sa, sb = tx.init(a), tx.init(b)
+    half = torch.tensor(0.5)
+    a, sa = optim.step(tx, _grads(0, a), sa, a, grad_scale=half)
+    b, sb = optim.step(tx, {n: 0.5 * g for n, g in _grads(0, b).items()}, sb, b)
+    torch.testing.assert_close(sa["grad_norm"], sb["grad_norm"], rtol=1e-6, atol=0)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+
+
+def test_without_triton_bf16_grads_take_the_copy_path_with_the_same_numbers(kernel_everywhere, monkeypatch):
+    sched = optim.warmup_cosine(3e-2, warmup=2, total=STEPS)
+    clip, adam, tx = _clip_adamw(sched, None)
+    a, b = _params(), _params()
+    sa, sb = tx.init(a), tx.init(b)
+    a, sa = optim.step(tx, _bf16_grads(0, a), sa, a)
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
+    b, sb = optim.step(tx, _bf16_grads(0, b), sb, b)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+
+
+def test_bf16_params_with_a_clip_still_step():
+    """Params not in fp32: torch's fused kernel, with the clip factor applied in a pass first."""
+    params = {n: p.bfloat16() for n, p in _params().items()}
+    _, _, tx = _clip_adamw(1e-2, None)
+    state = tx.init(params)
+    ref = {n: p.clone() for n, p in params.items()}
+    updates, _ = tx.update(_bf16_grads(0, params), tx.init(ref), ref)
+    params, state = optim.step(tx, _bf16_grads(0, params), state, params)
+    for n in params:
+        assert params[n].dtype == torch.bfloat16
+        torch.testing.assert_close(params[n], ref[n] + updates[n], rtol=0, atol=1e-2)
+    assert state[f"exp_avg/{next(iter(params))}"].dtype == torch.bfloat16
+
+
+def test_small_bf16_grads_are_converted_in_one_cat_not_one_copy_each(monkeypatch):
+    """Below KERNEL_MIN_NUMEL the copy route converts all of a group's grads together."""
+    calls = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if self.dtype == torch.bfloat16 and self.dim() > 0:
+            calls.append(tuple(self.shape))
+        return real_to(self, *args, **kwargs)
+
+    params = _params()
+    tx = optim.adamw(1e-2)
+    state = tx.init(params)
+    grads = _bf16_grads(0, params)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    got, _ = optim.step(tx, grads, state, {n: p.clone() for n, p in params.items()})
+    monkeypatch.undo()
+    assert calls == [(sum(p.numel() for p in params.values()),)]  # the one flat cat
+    want, _ = optim.step(tx, {n: g.float() for n, g in grads.items()}, tx.init(params), params)
+    for n in params:
+        assert torch.equal(got[n], want[n])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 import torch
 import torch.nn as nn
@@ -299,6 +300,7 @@ def main(argv=None) -> dict:
         tflops = flops / (ms / 1e3) / 1e12
         results[side] = {"step_ms": ms, "tokens_per_s": m * seq / (ms / 1e3), "model_tflops": tflops,
                          "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
+        print(f"{side}: {ms:.1f} ms/step, {tflops:.1f} model TFLOP/s", file=sys.stderr, flush=True)
         if args.profile and args.device == "cuda":
             results[side]["profile"] = profile_step(step, tokens, labels)
         if args.device == "cuda":

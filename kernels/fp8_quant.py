@@ -238,10 +238,8 @@ def _quant_tiles_kernel(
 
 
 @triton.jit
-def _quant_weight_kernel(
-    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, POW2: tl.constexpr, EMULATE: tl.constexpr
-):
-    """One 128x128 block of expert e's [N, K] weight -> its bits in [N, K] and [K, N], one scale."""
+def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """One 128x128 block of expert e's [N, K] weight -> its bits in [N, K] and its scale."""
     nb = tl.program_id(0)
     kb = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
@@ -253,16 +251,9 @@ def _quant_weight_kernel(
     s, inv = _scales(tl.max(tl.max(tl.abs(v), axis=1), axis=0), POW2)
     bits = _e4m3_bits(v * inv, EMULATE)
     tl.store(q_ptr + off, bits, mask=mask)
-    # The [K, N] copy: transpose in registers and store row-major. Storing ``bits`` through
-    # transposed pointers (cols * N + rows) lost bytes on an H200 (Triton 3.6): ~0.2% of the
-    # transposed weight stayed unwritten, nondeterministically (benchmarks/results/fp8_h200.json).
-    off_t = e * N * K + cols[:, None] * N + rows[None, :]
-    mask_t = (cols[:, None] < K) & (rows[None, :] < N)
-    tl.store(qt_ptr + off_t, _e4m3_bits(tl.trans(v) * inv, EMULATE), mask=mask_t)
     nbs = tl.cdiv(N, 128)
     kbs = tl.cdiv(K, 128)
     tl.store(s_ptr + e * nbs * kbs + nb * kbs + kb, s)
-    tl.store(st_ptr + e * nbs * kbs + kb * nbs + nb, s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,14 +403,19 @@ def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
     E, N, K = w3.shape
     NB, KB = cdiv(N, GROUP), cdiv(K, GROUP)
     q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
-    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device)
     s = torch.empty(E, NB, KB, dtype=torch.float32, device=w.device)
-    st = torch.empty(E, KB, NB, dtype=torch.float32, device=w.device)
     if w3.numel() > 0:
         _quant_weight_kernel[(NB, KB, E)](
-            w3, q.view(torch.uint8), qt.view(torch.uint8), s, st, N, K,
-            POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
+            w3, q.view(torch.uint8), s, N, K, POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS
         )  # fmt: skip
+    # The [K, N] copy the input gradient reads, by a torch transpose of the bits. Writing it from
+    # the kernel went wrong on an H200 (Triton 3.6) both ways we tried: stores through transposed
+    # pointers left ~0.2% of its bytes unwritten, and a tl.trans of the fp32 tile corrupted the
+    # row-major copy too (NaN forward GEMMs; benchmarks/results/fp8_h200.json). Weights are
+    # quantized once per optimizer step, so the extra pass (1 byte read and written an element)
+    # costs little.
+    qt = q.view(torch.uint8).transpose(1, 2).contiguous().view(FP8_DTYPE)
+    st = s.transpose(1, 2).contiguous()
     if w.dim() == 2:
         q, qt, s, st = q[0], qt[0], s[0], st[0]
     return Fp8Weight(q, s, qt, st)

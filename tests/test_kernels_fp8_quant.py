@@ -90,10 +90,11 @@ def test_quantize_act_t_dense_is_one_group():
     assert cols.data.shape == (256, 256) and cols.group_len.tolist() == [256]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp32 master weights, bf16 copies
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(200, 300), (3, 256, 130)])
-def test_quantize_weight_equals_reference_bitwise(shape, pow2):
-    w = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 0.02
+def test_quantize_weight_equals_reference_bitwise(shape, pow2, dtype):
+    w = (torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 0.02).to(dtype)
     got, want = fq.quantize_weight(w, pow2_scales=pow2), fq.quantize_weight_reference(w, pow2_scales=pow2)
     for name in ("data", "scale", "data_t", "scale_t"):
         assert _bits_equal(getattr(got, name), getattr(want, name)), name

@@ -51,11 +51,16 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 10, device: 
     return statistics.median(samples)
 
 
-def write_result(path: str | Path | None, result: dict) -> None:
-    """Print the result and, if ``path`` is given, write it as JSON with the environment."""
+def write_result(path: str | Path | None, result: dict, *, echo: bool = True) -> None:
+    """Print the result (unless ``echo`` is off) and, if ``path`` is given, write it as JSON with the
+    environment: to a temporary file renamed over ``path``, so a killed run leaves no half file."""
     record = {"environment": environment(), **result}
     text = json.dumps(record, indent=2)
-    print(text)
+    if echo:
+        print(text)
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(path)

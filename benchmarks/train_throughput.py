@@ -287,8 +287,38 @@ def main(argv=None) -> dict:
     tokens = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
     labels = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
     flops = m * seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
+    sides = [side.strip() for side in args.sides.split(",") if side.strip()]
+    known = ["eager", "fmoe", "fmoe_fp8", *FMOE_VARIANTS]
+    unknown = [side for side in sides if side not in known]
+    if unknown or not sides:
+        ap.error(f"--sides: unknown {unknown or 'none given'}; known: {', '.join(known)}")
+    shape = {
+        "layers": args.layers,
+        "seq": seq,
+        "micro_batch": 1,
+        "microbatches_per_step": m,
+        "dtype": str(dtype),
+        **(TINY if args.tiny else SHAPE),
+    }
+
+    def record(results: dict, pending: list[str]) -> dict:
+        eager = results.get("eager")
+        ratios = {
+            f"{k}_over_eager": eager["step_ms"] / v["step_ms"]
+            for k, v in results.items()
+            if eager and k != "eager"
+        }
+        out = {
+            "benchmark": "train throughput, Qwen3-30B-A3B-shaped MoE, one GPU",
+            "shape": shape,
+            "flops_per_step": flops,
+            "results": {**results, **ratios},
+            "goal": ">= 450 model TFLOP/s bf16, >= 600 fp8, >= 1.3x eager",
+        }
+        return {**out, "sides_not_run": pending} if pending else out
+
     results = {}
-    for side in args.sides.split(","):
+    for i, side in enumerate(sides):
         if side in FMOE_VARIANTS:
             step = fmoe_step_fn(cfg, args.device, dtype, **FMOE_VARIANTS[side])
         else:
@@ -308,25 +338,11 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         del step
-    for side in ("fmoe", "fmoe_fp8", *FMOE_VARIANTS):
-        if "eager" in results and side in results:
-            results[f"{side}_over_eager"] = results["eager"]["step_ms"] / results[side]["step_ms"]
-    record = {
-        "benchmark": "train throughput, Qwen3-30B-A3B-shaped MoE, one GPU",
-        "shape": {
-            "layers": args.layers,
-            "seq": seq,
-            "micro_batch": 1,
-            "microbatches_per_step": m,
-            "dtype": str(dtype),
-            **(TINY if args.tiny else SHAPE),
-        },  # fmt: skip
-        "flops_per_step": flops,
-        "results": results,
-        "goal": ">= 450 model TFLOP/s bf16, >= 600 fp8, >= 1.3x eager",
-    }
-    write_result(args.out, record)
-    return record
+        if i + 1 < len(sides):  # what is measured so far survives a run killed in a later side
+            write_result(args.out, record(results, sides[i + 1 :]), echo=False)
+    final = record(results, [])
+    write_result(args.out, final)
+    return final
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_stages, train_throughput
 
 
@@ -37,3 +39,25 @@ def test_cross_entropy_benchmark_runs_on_cpu():
     from benchmarks import bench_cross_entropy
 
     bench_cross_entropy.main(["--device", "cpu", "--tiny"])
+
+
+def test_throughput_benchmark_keeps_finished_sides_when_a_later_one_fails(tmp_path, monkeypatch):
+    out = tmp_path / "throughput.json"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory in the fp8 side")
+
+    monkeypatch.setattr(train_throughput, "fmoe_fp8_step_fn", broken)
+    args = ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    with pytest.raises(RuntimeError, match="fp8 side"):
+        train_throughput.main([*args, "--sides", "eager,fmoe,fmoe_fp8"])
+    saved = json.loads(out.read_text())
+    assert set(saved["results"]) == {"eager", "fmoe", "fmoe_over_eager"}
+    assert saved["sides_not_run"] == ["fmoe_fp8"]
+    assert not (tmp_path / "throughput.json.tmp").exists()
+
+
+def test_throughput_benchmark_refuses_an_unknown_side(capsys):
+    with pytest.raises(SystemExit):
+        train_throughput.main(["--device", "cpu", "--tiny", "--sides", "eager,fmoe_fp9"])
+    assert "fmoe_fp9" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import random_batch, tiny_config
 from fmoe.schedules import generate
 from fmoe.stages import qwen3_moe
@@ -116,3 +117,26 @@ def test_bad_sizes_say_which_to_change():
         check_sizes(1, 1, 1, 4, 4, num_experts=6)
     with pytest.raises(MeshError, match=r"data.seq_len \(6\) must be a multiple of 2 x parallel.cp = 4"):
         check_sizes(1, 1, 2, 1, 2, seq_len=6)
+
+
+def test_one_rank_step_hands_compute_dtype_grads_to_the_optimizer():
+    # One rank: nothing reduces or scales the gradients, so they stay in the compute dtype (no fp32
+    # copy of each); their values are those of the sequential runner on the same bf16 parameters.
+    cfg, model, batch = setup((1, 1, 1, 1))
+    mesh = build_mesh(1, 1, 1, 1)
+    shapes = qwen3_moe.param_shapes(cfg)
+    infos = parallel.layout(model, mesh, shapes, list(shapes))
+    full = model.init(seed=3)
+    shards = parallel.shard_canonical(full, infos, mesh)
+    loss, grad_shards = parallel.parallel_step(
+        model, shards, infos, batch, MICROBATCHES, mesh, dtype=torch.bfloat16, seed=0
+    )
+    assert {g.dtype for g in grad_shards.values()} == {torch.bfloat16}
+    bf16 = {n: p.to(torch.bfloat16) for n, p in full.items()}
+    ref = runner.run_sequential(model, bf16, batch, MICROBATCHES, seed=0)
+    grads = parallel.canonical(grad_shards, infos, mesh, list(shapes))
+    for n in shapes:
+        assert torch.equal(grads[n], ref.grads[n]), n
+    state = make_tx(shapes).init(shards)
+    new, _ = optim.step(make_tx(shapes), grad_shards, state, {n: s.clone() for n, s in shards.items()})
+    assert all(new[n].dtype == torch.float32 and not torch.equal(new[n], shards[n]) for n in new)

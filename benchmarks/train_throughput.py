@@ -170,7 +170,7 @@ CATEGORIES = (  # kernel-name patterns -> share of the step, first match wins
 )
 
 
-def profile_step(step, tokens, labels, steps: int = 2, top_kernels: int = 25) -> dict:
+def profile_step(step, tokens, labels, steps: int = 2, top_kernels: int = 40) -> dict:
     """Share of step time per kind of kernel, the GPU's idle share and the kernels that take the
     most time, from torch.profiler."""
     import time as _time

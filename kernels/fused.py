@@ -410,3 +410,85 @@ def moe_sum_backward_reference(g: Tensor, y: Tensor, w: Tensor) -> tuple[Tensor,
     gf = g.to(acc)
     dy = gf[:, None, :] * w.to(acc)[:, :, None]
     return dy.to(y.dtype), torch.einsum("th,tkh->tk", gf, y.to(acc)).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary position embedding (half-rotation layout)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, T, NH, cos_rows, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):  # fmt: skip
+    """Tokens [BLOCK_T] of x [T, NH, 2*HALF], every head. With x = [x1 | x2] and cos = [c1 | c2],
+    sin = [s1 | s2] (the token's row ``t % cos_rows`` of the tables), forward:
+    out = [x1*c1 - x2*s1 | x2*c2 + x1*s2]; backward (x the output gradient), the transpose:
+    dx = [x1*c1 + x2*s2 | x2*c2 - x1*s1]. fp32 arithmetic, one rounding."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, HALF)
+    mask = (t < T)[:, None]
+    crow = (t % cos_rows).to(tl.int64)[:, None] * (2 * HALF) + cols[None, :]
+    c1 = tl.load(cos_ptr + crow, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + crow + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + crow, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + crow + HALF, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        p, q = s2, -s1
+    else:
+        p, q = -s1, s2
+    base = t.to(tl.int64)[:, None] * NH * (2 * HALF) + cols[None, :]
+    for h in range(NH):
+        offs = base + h * (2 * HALF)
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (x1 * c1 + x2 * p).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs + HALF, (x2 * c2 + x1 * q).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    if x.dim() != 3 or x.shape[2] % 2 or not x.is_contiguous():
+        raise ValueError(
+            f"x: expected a contiguous [tokens, heads, d] tensor with d even, got {tuple(x.shape)}"
+        )
+    d = x.shape[2]
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d or x.shape[0] % max(cos.shape[0], 1):
+        raise ValueError(
+            f"cos, sin: expected equal [rows, {d}] tables whose rows divide the {x.shape[0]} tokens, got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, *, backward: bool = False) -> Tensor:
+    """Rotate x [T, heads, d] by the half-rotation RoPE: out = x * cos + cat(-x2, x1) * sin.
+
+    cos, sin: [rows, d] tables, token t using row ``t % rows`` (rows = s for [b*s] tokens sharing
+    positions, rows = T for per-token positions). ``backward=True`` applies the transpose (the input
+    gradient of the forward for an output gradient x). Output in x's dtype, computed in float32.
+    """
+    _check_rotary(x, cos, sin)
+    if not use_triton(x):
+        return rotary_reference(x, cos, sin, backward=backward)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    T, NH, d = x.shape
+    out = torch.empty_like(x)
+    block_t = 16
+    if x.numel():
+        _rotary_kernel[(cdiv(T, block_t),)](
+            x, cos, sin, out, T, NH, cos.shape[0], HALF=d // 2, BLOCK_T=block_t, BACKWARD=backward, num_warps=4
+        )  # fmt: skip
+    return out
+
+
+def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor, *, backward: bool = False) -> Tensor:
+    acc = _acc_dtype(x)
+    T, half = x.shape[0], x.shape[2] // 2
+    c = cos.to(acc).repeat(T // cos.shape[0], 1)[:, None, :]
+    s = sin.to(acc).repeat(T // cos.shape[0], 1)[:, None, :]
+    x1, x2 = x.to(acc).split(half, dim=-1)
+    c1, c2, s1, s2 = c[..., :half], c[..., half:], s[..., :half], s[..., half:]
+    if backward:
+        out = torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), dim=-1)
+    else:
+        out = torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+    return out.to(x.dtype)

@@ -76,6 +76,22 @@ class _FusedMoeSum(torch.autograd.Function):
         return g, dy, dw
 
 
+class _FusedRotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        from fmoe.kernels import fused
+
+        ctx.save_for_backward(cos, sin)
+        return fused.rotary(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        from fmoe.kernels import fused
+
+        cos, sin = ctx.saved_tensors
+        return fused.rotary(g.contiguous(), cos, sin, backward=True), None, None
+
+
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
@@ -110,6 +126,17 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate_heads(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x [b, s, heads, d] in token-major layout, cos/sin [s, d] or [b, s, d] -> [b, s, heads, d].
+    On CUDA one fused kernel each way (fp32 arithmetic, one rounding, where :func:`apply_rotary`'s
+    bf16 ops round three times); elsewhere :func:`apply_rotary`."""
+    b, s, heads, d = x.shape
+    if _fused(x) and not (cos.requires_grad or sin.requires_grad):
+        tokens = x.contiguous().view(b * s, heads, d)
+        return _FusedRotary.apply(tokens, cos.reshape(-1, d), sin.reshape(-1, d)).view(x.shape)
+    return apply_rotary(x.transpose(1, 2), cos, sin).transpose(1, 2)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -156,9 +183,9 @@ def gqa_attention(
     v = linear(x, v_w).view(b, s, num_kv_heads, head_dim)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = rotary_cos_sin(positions, head_dim, rope_theta, x.dtype)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if cp_group is None:
         out = causal_attention(q, k, v, head_dim**-0.5)
     else:

@@ -110,3 +110,17 @@ def test_fused_cross_entropy_matches_plain_ops(kernels_on, monkeypatch):
     _close(got, want)
     _close(g, w)
     assert torch.all(g[3] == 0)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fused_rotary_matches_plain_ops(kernels_on, monkeypatch, per_token):
+    b, s, heads, d = 2, 7, 3, 32
+    positions = torch.randint(0, 50, (b, s)) if per_token else torch.arange(3, 3 + s)
+    cos, sin = layers.rotary_cos_sin(positions, d, 10_000.0, torch.float32)
+    x = _randn(b, s, heads, d, seed=9, scale=2.0)
+
+    def fn(x):
+        # the tables follow x's dtype, as gqa_attention builds them
+        return layers.rotate_heads(x, cos.to(x.dtype), sin.to(x.dtype))
+
+    _compare(fn, (x,), kernels_on, monkeypatch)

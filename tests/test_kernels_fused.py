@@ -115,3 +115,46 @@ def test_fused_shape_errors_name_the_field():
         fused.rmsnorm(torch.randn(4, 8), torch.randn(7))
     with pytest.raises(ValueError, match="rstd"):
         fused.rmsnorm_backward(torch.randn(4, 8), torch.randn(4, 8), torch.randn(8), torch.randn(3))
+
+
+def _rotary_plain(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rows = cos.repeat(x.shape[0] // cos.shape[0], 1)[:, None].double()
+    srows = sin.repeat(x.shape[0] // sin.shape[0], 1)[:, None].double()
+    xd = x.double()
+    return xd * rows + torch.cat((-xd[..., half:], xd[..., :half]), dim=-1) * srows
+
+
+@pytest.mark.parametrize("rows", [5, 20])  # tables shared by 4 sequences, or one row per token
+def test_rotary_matches_plain_rope_and_its_transpose(rows):
+    T, heads, d = 20, 3, 64
+    x = _randn(T, heads, d, seed=11, scale=2)
+    # arbitrary tables (halves differ), so each half of cos and sin is read where it belongs
+    cos, sin = _randn(rows, d, seed=12), _randn(rows, d, seed=13)
+    out = fused.rotary(x, cos, sin)
+    assert torch.allclose(out.double(), _rotary_plain(x, cos, sin), atol=1e-5)
+    assert torch.equal(out, fused.rotary_reference(x, cos, sin))
+    # backward=True is the transpose: <rotary(x), g> == <x, rotary(g, backward=True)>
+    g = _randn(T, heads, d, seed=14)
+    lhs = (_rotary_plain(x, cos, sin) * g.double()).sum()
+    rhs = (x.double() * fused.rotary(g, cos, sin, backward=True).double()).sum()
+    assert torch.allclose(lhs, rhs, rtol=1e-5)
+    assert torch.equal(
+        fused.rotary(g, cos, sin, backward=True), fused.rotary_reference(g, cos, sin, backward=True)
+    )
+
+
+def test_rotary_bf16_rounds_once():
+    x = _randn(64, 4, 128, seed=15, scale=3).bfloat16()
+    cos, sin = _randn(16, 128, seed=16).bfloat16(), _randn(16, 128, seed=17).bfloat16()
+    got = fused.rotary(x, cos, sin)
+    assert got.dtype == torch.bfloat16
+    assert _within_bf16_ulp(got, _rotary_plain(x, cos, sin))
+
+
+def test_rotary_shape_errors_name_the_tensor():
+    x, table = torch.zeros(6, 2, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="cos, sin"):
+        fused.rotary(x, table, table)  # 4 rows do not divide 6 tokens
+    with pytest.raises(ValueError, match="x: expected"):
+        fused.rotary(x[:, :, :7], torch.zeros(6, 7), torch.zeros(6, 7))

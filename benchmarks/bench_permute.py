@@ -154,7 +154,13 @@ def main(argv: list[str] | None = None) -> dict:
     moved = 2 * n * args.hidden * x.element_size()
     g_iters = max(1, iters // 4)  # each call moves GiBs at full size
     gather = {}
+    out = torch.empty_like(x_perm)
+    scattered = P.scatter_rows(x_perm, slot_of, torch.empty_like(x_perm))
+    assert torch.equal(scattered, out.index_copy_(0, slot_of, x_perm)), "scatter_rows != index_copy_"
     for name, fn in {
+        # the row scatter of merge_grouped_weight_grads, against torch's per-element index_copy_
+        "scatter_rows": lambda: P.scatter_rows(x_perm, slot_of, out),
+        "index_copy_rows": lambda: out.index_copy_(0, slot_of, x_perm),
         "permute_tokens": lambda: P.permute_tokens(x, order, topk),
         "unpermute_tokens_gather": lambda: P.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of),
         "unpermute_tokens_scatter": lambda: P.unpermute_tokens(x_perm, order, T, topk),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import pathlib
 import sys
 
 import torch
@@ -208,6 +209,33 @@ def profile_step(step, tokens, labels, steps: int = 2, top_kernels: int = 40) ->
     return {"wall_ms_per_step": wall_us / 1e3 / steps, "share": shares, "top_kernels": top}
 
 
+def host_profile_step(step, tokens, labels, top: int = 30) -> dict:
+    """Where the host's time goes in one step (cProfile): the functions with the most own time.
+    A step whose GPU idles is bound by these."""
+    import cProfile
+    import pstats
+    import time as _time
+
+    prof = cProfile.Profile()
+    t0 = _time.perf_counter()
+    prof.runcall(step, tokens, labels)
+    if tokens.is_cuda:
+        torch.cuda.synchronize()
+    wall_ms = (_time.perf_counter() - t0) * 1e3
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cum s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    funcs = [
+        {
+            "function": f"{pathlib.Path(f).name}:{line}({name})",
+            "calls": n,
+            "own_ms": own * 1e3,
+            "cum_ms": cum * 1e3,
+        }
+        for (f, line, name), (_, n, own, cum, _) in rows
+    ]
+    return {"wall_ms": wall_ms, "top_own_time": funcs}
+
+
 def fmoe_step_fn(
     cfg,
     device,
@@ -277,6 +305,11 @@ def main(argv=None) -> dict:
         action="store_true",
         help="CUDA: time shares of each side's step by kernel kind, and its top kernels",
     )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile one step of each side: the host functions that take the most time",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = qwen3_moe.Qwen3MoeConfig(num_hidden_layers=args.layers, **(TINY if args.tiny else SHAPE))
@@ -333,6 +366,8 @@ def main(argv=None) -> dict:
         print(f"{side}: {ms:.1f} ms/step, {tflops:.1f} model TFLOP/s", file=sys.stderr, flush=True)
         if args.profile and args.device == "cuda":
             results[side]["profile"] = profile_step(step, tokens, labels)
+        if args.host_profile:
+            results[side]["host_profile"] = host_profile_step(step, tokens, labels)
         if args.device == "cuda":
             results[side]["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()

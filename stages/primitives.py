@@ -171,13 +171,15 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     x = first.x.new_empty(n, first.x.shape[1])
     dy = first.dy.new_empty(n, first.dy.shape[1])
     experts = torch.arange(E, device=device)
+    from fmoe.kernels.permute import scatter_rows
+
     for i, p in enumerate(parts):
         rows = p.x.shape[0]
         e = torch.repeat_interleave(experts, counts[i], output_size=rows)
         within = torch.arange(rows, device=device) - (p.offs.to(torch.int64) - counts[i])[e]
         dest = expert_start[e] + earlier[i, e] + within
-        x.index_copy_(0, dest, p.x)
-        dy.index_copy_(0, dest, p.dy)
+        scatter_rows(p.x.contiguous(), dest, x)
+        scatter_rows(p.dy.contiguous(), dest, dy)
     return grouped_mm_weight_grad(x, dy, torch.cumsum(per_expert, 0).to(torch.int32), E)
 
 

@@ -20,10 +20,14 @@ def test_stage_benchmark_runs_on_cpu(tmp_path):
 def test_throughput_benchmark_runs_on_cpu_for_fmoe_and_the_eager_baseline(tmp_path):
     out = tmp_path / "throughput.json"
     result = train_throughput.main(
-        ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--out", str(out)]
+        ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--host-profile", "--out", str(out)]
     )
     for side in ("eager", "fmoe"):
         assert result["results"][side]["model_tflops"] > 0
+        host = result["results"][side]["host_profile"]
+        assert host["wall_ms"] > 0 and len(host["top_own_time"]) == 30
+        own = [f["own_ms"] for f in host["top_own_time"]]
+        assert own == sorted(own, reverse=True) and all(f["calls"] >= 1 for f in host["top_own_time"])
     assert result["results"]["fmoe_over_eager"] > 0
 
 

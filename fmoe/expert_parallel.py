@@ -150,7 +150,7 @@ def ep_step(
             terms.extend(stage_terms)
         losses.append(runner.sum_terms(terms))
         works = runner.backward_microbatch(fwds, 1.0 / (ep * num_microbatches))
-        runner.accumulate(grads, runner.weight_grads(works, merge_later))
+        runner.weight_grads(works, merge_later, into=grads)
     runner.accumulate(grads, runner.merged_weight_grads(merge_later))
     grads = runner.zero_missing(grads, params_local, model.param_names())
     local_losses = torch.stack(losses)

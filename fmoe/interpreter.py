@@ -243,7 +243,7 @@ class _Backward:
         keep = []
         for r, work in self.deferred:
             if roles is None or r in roles:
-                R.accumulate(self.st.grads, S.backward_weight(work))
+                R.accumulate(self.st.grads, S.backward_weight(work, into=self.st.grads))
             else:
                 keep.append((r, work))
         self.deferred = keep
@@ -254,7 +254,7 @@ class _Backward:
         st, key = self.st, (self.mb, self.chunk)
         if w_now:
             for work in self.works:
-                R.accumulate(st.grads, S.backward_weight(work))
+                R.accumulate(st.grads, S.backward_weight(work, into=st.grads))
             self.run_w()
         else:
             st.works[key] = self.works
@@ -381,7 +381,7 @@ def _run_action(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
         if key not in st.works:
             raise ScheduleError(f"rank {st.rank}: {a} before its B")
         for work in st.works.pop(key):
-            R.accumulate(st.grads, S.backward_weight(work))
+            R.accumulate(st.grads, S.backward_weight(work, into=st.grads))
     elif k == "FB":
         _run_fb(st, a, order)
     elif k == "SEND_F":

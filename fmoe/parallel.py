@@ -163,7 +163,7 @@ def _local_step(
         fwds, loss = runner.forward_microbatch(model, params, mb, ctx)
         losses.append(loss)
         works = runner.backward_microbatch(fwds, 1.0 / num_microbatches)
-        runner.accumulate(grads, runner.weight_grads(works, merge_later))
+        runner.weight_grads(works, merge_later, into=grads)
     runner.accumulate(grads, runner.merged_weight_grads(merge_later))
     return runner.StepResult(
         runner.mean_loss(losses), runner.zero_missing(grads, params, list(params)), losses

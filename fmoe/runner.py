@@ -121,12 +121,17 @@ def backward_microbatch(fwds: Sequence[S.Forwarded], loss_scale: float) -> list[
 
 
 def weight_grads(
-    works: Sequence[S.WeightGradWork], merge_later: dict[str, list[GroupedWeightGrad]] | None = None
+    works: Sequence[S.WeightGradWork],
+    merge_later: dict[str, list[GroupedWeightGrad]] | None = None,
+    into: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
-    """W of every stage, summed by parameter name (expert GEMMs left in ``merge_later`` if given)."""
-    total: dict[str, Tensor] = {}
+    """W of every stage, summed by parameter name (expert GEMMs left in ``merge_later`` if given).
+
+    into: accumulate into this dict (in place, as ``accumulate`` does; dense weight GEMMs add to
+    the existing gradient inside the GEMM) and return it; else a new dict."""
+    total: dict[str, Tensor] = {} if into is None else into
     for work in works:
-        accumulate(total, S.backward_weight(work, merge_later))
+        accumulate(total, S.backward_weight(work, merge_later, into=total))
     return total
 
 
@@ -166,7 +171,7 @@ def run_sequential(
     for i, mb in enumerate(microbatches):
         fwds, loss = forward_microbatch(model, params, mb, StageContext(microbatch=i, seed=seed))
         losses.append(loss)
-        accumulate(grads, weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches), merge_later))
+        weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches), merge_later, into=grads)
     if merge_later:
         accumulate(grads, merged_weight_grads(merge_later))
     return StepResult(mean_loss(losses), zero_missing(grads, params, model.param_names()), losses)

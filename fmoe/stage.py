@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fmoe.stages.primitives import GroupedWeightGrad, WeightGradTape, defer_weight_grads
+from fmoe.stages.primitives import DenseWeightGrad, GroupedWeightGrad, WeightGradTape, defer_weight_grads
 from fmoe.stages.spec import Stage, StageContext
 
 
@@ -200,13 +200,18 @@ def backward_input(
 
 
 def backward_weight(
-    work: WeightGradWork, merge_later: dict[str, list[GroupedWeightGrad]] | None = None
+    work: WeightGradWork,
+    merge_later: dict[str, list[GroupedWeightGrad]] | None = None,
+    into: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """W: {global name: gradient} for every parameter of the stage that received one.
 
     merge_later: if given, expert-grouped weight GEMMs are not run but appended to
     ``merge_later[name]``, for the caller to merge over microbatches
     (``fmoe.stages.primitives.merge_grouped_weight_grads``); their names are then absent here.
+    into: the caller's own gradient accumulator ({name: tensor it may modify}); a dense weight GEMM
+    whose parameter already has an entry there is added to it in place, inside the GEMM, and is
+    then absent from the result. The caller adds the rest (``fmoe.runner.accumulate``).
     """
     stage = work.stage
     if stage.custom is not None:
@@ -221,6 +226,10 @@ def backward_weight(
             )
         if merge_later is not None and isinstance(compute, GroupedWeightGrad):
             merge_later.setdefault(name, []).append(compute)
+            continue
+        if into is not None and name in into and isinstance(compute, DenseWeightGrad):
+            with torch.no_grad():
+                compute.accumulate_into(into[name])
             continue
         with torch.no_grad():  # taped activations still require grad; W builds no graph
             g = compute()

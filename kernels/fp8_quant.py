@@ -224,7 +224,7 @@ def _quant_tiles_kernel(
     v = _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE)
 
     s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
-    # transposed in registers, then stored row-major (see _quant_weight_kernel for why)
+    # transposed in registers, then stored row-major (see quantize_weight for why)
     bits_t = _e4m3_bits(tl.trans(v) * inv_t[:, None], EMULATE)
     tok = t * 128 + r
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + tok[None, :], bits_t, mask=cmask[:, None])
@@ -238,22 +238,27 @@ def _quant_tiles_kernel(
 
 
 @triton.jit
-def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, POW2: tl.constexpr, EMULATE: tl.constexpr):
-    """One 128x128 block of expert e's [N, K] weight -> its bits in [N, K] and its scale."""
-    nb = tl.program_id(0)
-    kb = tl.program_id(1)
+def _quant_weight_kernel(
+    w_ptr, q_ptr, s_ptr, R, C, stride_r, stride_c, POW2: tl.constexpr, EMULATE: tl.constexpr
+):
+    """One 128x128 block of expert e's [R, C] weight -> its bits in [R, C] and its scale.
+
+    Element (r, c) is read at ``e * R * C + r * stride_r + c * stride_c``: (C, 1) for the weight
+    itself, (1, R) for its transpose. The transposed copy is thus written row-major from a
+    transposed read; a block's amax, and so every bit, is that of the same block untransposed.
+    """
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
-    rows = nb * 128 + tl.arange(0, 128)
-    cols = kb * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < N) & (cols[None, :] < K)
-    off = e * N * K + rows[:, None] * K + cols[None, :]
-    v = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    rows = rb * 128 + tl.arange(0, 128)
+    cols = cb * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    v = tl.load(w_ptr + e * R * C + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
+    v = v.to(tl.float32)
     s, inv = _scales(tl.max(tl.max(tl.abs(v), axis=1), axis=0), POW2)
     bits = _e4m3_bits(v * inv, EMULATE)
-    tl.store(q_ptr + off, bits, mask=mask)
-    nbs = tl.cdiv(N, 128)
-    kbs = tl.cdiv(K, 128)
-    tl.store(s_ptr + e * nbs * kbs + nb * kbs + kb, s)
+    tl.store(q_ptr + e * R * C + rows[:, None] * C + cols[None, :], bits, mask=mask)
+    tl.store(s_ptr + (e * tl.cdiv(R, 128) + rb) * tl.cdiv(C, 128) + cb, s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,19 +303,73 @@ class TileMap:
     cap: int
 
 
-def tile_map(offs: Tensor, rows: int, tile: int) -> TileMap:
+# Tiles per program of _tile_map_kernel (at most), and the most experts it takes (their per-expert
+# vectors live in registers; past this the torch reference builds the map).
+TILE_MAP_BLOCK = 128
+TILE_MAP_MAX_EXPERTS = 1024
+
+
+@triton.jit
+def _tile_map_kernel(offs_ptr, out_ptr, E, cap, tile, EP: tl.constexpr, BLOCK_T: tl.constexpr):
+    # out (int32): expert [cap] | row [cap] | group_end [E] | first_tile [E] | num_tiles [E]. Every
+    # program recomputes the per-expert prefix (E values, cheap) and maps its BLOCK_T tiles:
+    # expert(t) = #experts whose tiles all end at or before t (a searchsorted, right side).
+    e = tl.arange(0, EP)
+    in_range = e < E
+    ends = tl.load(offs_ptr + e, mask=in_range, other=0).to(tl.int32)
+    starts = tl.load(offs_ptr + e - 1, mask=in_range & (e > 0), other=0).to(tl.int32)
+    ntiles = tl.where(in_range, (tl.maximum(ends - starts, 0) + tile - 1) // tile, 0)
+    cum = tl.cumsum(ntiles, 0)
+    first = cum - ntiles
+    if tl.program_id(0) == 0:
+        tl.store(out_ptr + 2 * cap + e, ends, mask=in_range)
+        tl.store(out_ptr + 2 * cap + E + e, first, mask=in_range)
+        tl.store(out_ptr + 2 * cap + 2 * E + e, ntiles, mask=in_range)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    done = (cum[None, :] <= t[:, None]) & in_range[None, :]
+    expert = tl.sum(done.to(tl.int32), 1)
+    pick = e[None, :] == tl.minimum(expert, E - 1)[:, None]
+    start = tl.sum(tl.where(pick, starts[None, :], 0), 1)
+    first_of = tl.sum(tl.where(pick, first[None, :], 0), 1)
+    t_ok = t < cap
+    tl.store(out_ptr + t, expert, mask=t_ok)
+    tl.store(out_ptr + cap + t, start + (t - first_of) * tile, mask=t_ok)
+
+
+def tile_map_reference(offs: Tensor, rows: int, tile: int) -> TileMap:
+    """:func:`tile_map` in plain torch ops."""
     ends = offs.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     ntiles = (ends - starts).clamp_min(0).add(tile - 1).div(tile, rounding_mode="floor")
     cum = torch.cumsum(ntiles, 0)
     first = cum - ntiles
-    cap = max(cdiv(rows, tile) + offs.numel() - 1, 1)
+    cap = _tile_cap(offs, rows, tile)
     t = torch.arange(cap, device=offs.device)
     expert = torch.searchsorted(cum, t, right=True)
     e = expert.clamp_max(offs.numel() - 1)
     row = starts[e] + (t - first[e]) * tile
     i32 = torch.int32
     return TileMap(expert.to(i32), row.to(i32), ends.to(i32), first.to(i32), ntiles.to(i32), cap)
+
+
+def _tile_cap(offs: Tensor, rows: int, tile: int) -> int:
+    return max(cdiv(rows, tile) + offs.numel() - 1, 1)
+
+
+def tile_map(offs: Tensor, rows: int, tile: int) -> TileMap:
+    """The expert-aligned tiles of ``rows`` expert-grouped rows; offs [experts] int32/int64
+    cumulative end rows. One Triton launch where kernels run (its ~12 torch ops cost more host
+    time than the GEMM they feed at small shapes), else :func:`tile_map_reference`."""
+    E = offs.numel()
+    if not use_triton(offs) or E > TILE_MAP_MAX_EXPERTS:
+        return tile_map_reference(offs, rows, tile)
+    cap = _tile_cap(offs, rows, tile)
+    out = torch.empty(2 * cap + 3 * E, dtype=torch.int32, device=offs.device)
+    EP = max(triton.next_power_of_2(E), 16)
+    block_t = max(16, min(TILE_MAP_BLOCK, 16384 // EP))  # the [tiles, experts] compare stays 16k
+    _tile_map_kernel[(cdiv(cap, block_t),)](offs, out, E, cap, tile, EP=EP, BLOCK_T=block_t, num_warps=4)
+    expert, row, group_end, first_tile, num_tiles = out.split([cap, cap, E, E, E])
+    return TileMap(expert, row, group_end, first_tile, num_tiles, cap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,18 +463,19 @@ def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
     NB, KB = cdiv(N, GROUP), cdiv(K, GROUP)
     q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
     s = torch.empty(E, NB, KB, dtype=torch.float32, device=w.device)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device)
+    st = torch.empty(E, KB, NB, dtype=torch.float32, device=w.device)
     if w3.numel() > 0:
-        _quant_weight_kernel[(NB, KB, E)](
-            w3, q.view(torch.uint8), s, N, K, POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS
-        )  # fmt: skip
-    # The [K, N] copy the input gradient reads, by a torch transpose of the bits. Writing it from
-    # the kernel went wrong on an H200 (Triton 3.6) both ways we tried: stores through transposed
-    # pointers left ~0.2% of its bytes unwritten, and a tl.trans of the fp32 tile corrupted the
-    # row-major copy too (NaN forward GEMMs; benchmarks/results/fp8_h200.json). Weights are
-    # quantized once per optimizer step, so the extra pass (1 byte read and written an element)
-    # costs little.
-    qt = q.view(torch.uint8).transpose(1, 2).contiguous().view(FP8_DTYPE)
-    st = s.transpose(1, 2).contiguous()
+        # [N, K] and its [K, N] transpose (the input gradient reads it), each written row-major by
+        # its own launch: writing both from one launch went wrong on an H200 with Triton 3.6 (stores
+        # through transposed pointers left ~0.2% of the bytes unwritten, a tl.trans of the tile
+        # corrupted the other copy; benchmarks/results/fp8_h200.json), and a torch transpose of the
+        # bytes ran at ~0.35 TB/s
+        for out, scale, (R, C, sr, sc) in ((q, s, (N, K, K, 1)), (qt, st, (K, N, 1, K))):
+            _quant_weight_kernel[(cdiv(R, GROUP), cdiv(C, GROUP), E)](
+                w3, out.view(torch.uint8), scale, R, C, sr, sc,
+                POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
+            )  # fmt: skip
     if w.dim() == 2:
         q, qt, s, st = q[0], qt[0], s[0], st[0]
     return Fp8Weight(q, s, qt, st)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DenseWeightGrad",
     "GroupedWeightGrad",
     "WeightGradTape",
     "defer_weight_grads",
@@ -144,9 +145,39 @@ class GroupedWeightGrad:
     dy: Tensor
     offs: Tensor
     num_groups: int
+    fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
+    out_dtype: torch.dtype | None = None  # of the gradient; None: dy's
 
     def __call__(self) -> Tensor:
-        return grouped_mm_weight_grad(self.x, self.dy, self.offs, self.num_groups)
+        return _grouped_weight_grad(self.x, self.dy, self.offs, self.num_groups, self.fp8, self.out_dtype)
+
+
+def _grouped_weight_grad(
+    x: Tensor, dy: Tensor, offs: Tensor, num_groups: int, fp8: bool, out_dtype: torch.dtype | None
+) -> Tensor:
+    if fp8:
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
+
+        return fp8_grouped_linear_weight_grad(x, dy, offs, out_dtype=out_dtype or dy.dtype)
+    g = grouped_mm_weight_grad(x, dy, offs, num_groups)
+    return g if out_dtype is None else g.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class DenseWeightGrad:
+    """A deferred dense weight GEMM, ``dW = dy^T @ x``, kept as data so that W can add it to a
+    gradient accumulated over microbatches inside the GEMM (``accumulate_into``), with no
+    weight-sized temporary and no separate add. x [n, k], dy [n, m] -> dW [m, k]."""
+
+    x: Tensor
+    dy: Tensor
+
+    def __call__(self) -> Tensor:
+        return self.dy.t() @ self.x
+
+    def accumulate_into(self, total: Tensor) -> None:
+        """total += dy^T @ x in place (one GEMM with beta = 1); total [m, k] of dy's dtype."""
+        total.addmm_(self.dy.t(), self.x)
 
 
 @torch.no_grad()
@@ -162,6 +193,10 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     if len(parts) == 1:
         return parts[0]()
     first = parts[0]
+    if any(
+        (p.fp8, p.out_dtype, p.num_groups) != (first.fp8, first.out_dtype, first.num_groups) for p in parts
+    ):
+        raise ValueError("merge_grouped_weight_grads: parts differ in fp8, out_dtype or num_groups")
     E, device = first.num_groups, first.x.device
     counts = torch.stack([torch.diff(p.offs.to(torch.int64), prepend=p.offs.new_zeros(1)) for p in parts])
     per_expert = counts.sum(0)  # [E] rows of each expert over all parts
@@ -180,7 +215,8 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
         dest = expert_start[e] + earlier[i, e] + within
         scatter_rows(p.x.contiguous(), dest, x)
         scatter_rows(p.dy.contiguous(), dest, dy)
-    return grouped_mm_weight_grad(x, dy, torch.cumsum(per_expert, 0).to(torch.int32), E)
+    offs = torch.cumsum(per_expert, 0).to(torch.int32)
+    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype)
 
 
 class _Linear(torch.autograd.Function):
@@ -205,7 +241,7 @@ class _Linear(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         tape = ctx.tape
         if tape is not None:
-            tape.record(ctx.weight, lambda: dy2.t() @ x2)
+            tape.record(ctx.weight, DenseWeightGrad(x2, dy2))
             return dx, None
         return dx, dy2.t() @ x2
 
@@ -289,7 +325,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad, fp8_grouped_linear_weight_grad
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
 
         x, offs = ctx.saved_tensors
         dx = (
@@ -299,8 +335,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         )
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None
-        dtype = ctx.weight.dtype
-        compute = lambda: fp8_grouped_linear_weight_grad(x, dy, offs, out_dtype=dtype)  # noqa: E731
+        # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads)
+        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=True, out_dtype=ctx.weight.dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
             return dx, None, None, None

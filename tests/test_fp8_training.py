@@ -86,6 +86,38 @@ def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(monk
     assert len(set(calls)) <= per_layer
 
 
+def test_fp8_expert_weight_grads_merge_over_microbatches_within_the_fp8_bound(monkeypatch):
+    # merged, a step's FP8 expert wgrad is one GEMM over all its microbatches' rows (quantized
+    # along tokens after the regroup); it must agree with the per-microbatch FP8 GEMMs plus adds as
+    # closely as both agree with the float gradient
+    merged_parts = []
+    real = primitives.merge_grouped_weight_grads
+
+    def spy(parts):
+        merged_parts.append([p.fp8 for p in parts])
+        return real(parts)
+
+    monkeypatch.setattr(runner, "merge_grouped_weight_grads", spy)
+    cfg = fp8_config()
+    model = qwen3_moe_build(cfg)
+    params = model.init(seed=3)
+    batch = random_batch(cfg, 4, 16)
+    grads = {}
+    for merge in (True, False):
+        with fp8_training(True):
+            grads[merge] = runner.run_sequential(model, params, batch, 4, merge_expert_grads=merge).grads
+    assert len(merged_parts) == 2 * cfg.num_hidden_layers and all(f == [True] * 4 for f in merged_parts)
+    exact = runner.run_sequential(model, params, batch, 4).grads
+    experts = [n for n in exact if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")]
+    assert len(experts) == 2 * cfg.num_hidden_layers
+    for n in experts:
+        merged, unmerged, ref = grads[True][n], grads[False][n], exact[n]
+        assert not torch.equal(merged, ref), "the FP8 GEMM must actually run"
+        err = (unmerged - ref).norm()
+        assert (merged - ref).norm() <= 1.5 * err + 1e-6, n
+        assert (merged - unmerged).norm() / ref.norm() < 0.05, n
+
+
 def fp8_config():
     return tiny_config(
         vocab_size=264, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,

@@ -121,6 +121,26 @@ def test_pow2_scales_are_powers_of_two_and_cover_amax():
     assert torch.all(amax <= q.scale * fq.FP8_MAX)
 
 
+@pytest.mark.parametrize(
+    "counts, tile",
+    [
+        ([5, 0, 300, 1, 0, 129], 128),  # empty experts, a tail tile, one spanning three tiles
+        ([0, 0, 0], 128),  # no rows: one placeholder tile past every expert
+        ([7] * 40, 16),  # more experts than the 16-wide minimum, small tiles, several programs
+        ([0] * 200 + [3000], 64),  # all rows in the last of 200 experts
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_tile_map_kernel_equals_torch_reference(counts, tile, dtype):
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(dtype)
+    rows = int(offs[-1])
+    got, want = fq.tile_map(offs, rows, tile), fq.tile_map_reference(offs, rows, tile)
+    assert got.cap == want.cap
+    for field in ("expert", "row", "group_end", "first_tile", "num_tiles"):
+        g, w = getattr(got, field), getattr(want, field)
+        assert g.dtype == torch.int32 and torch.equal(g, w), field
+
+
 def test_bad_inputs_name_the_field():
     x = torch.randn(10, 128)
     with pytest.raises(ValueError, match="offs"):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_runner_matches_autograd, random_batch, tiny_config
 from fmoe.stages import qwen3_moe
-from fmoe.stages.primitives import linear
+from fmoe.stages.primitives import DenseWeightGrad, linear
 from fmoe.stages.spec import CustomGrad, Stage, StageContext
 
 from fmoe import runner
@@ -100,6 +100,47 @@ def test_deferred_w_in_any_order_gives_the_plain_gradients():
     assert torch.equal(runner.mean_loss([loss0, loss1]), plain.loss)
     for name in params:
         torch.testing.assert_close(grads[name], plain.grads[name], rtol=1e-6, atol=1e-7)
+
+
+def test_w_accumulates_dense_weight_gemms_in_place_into_the_callers_gradients():
+    # W of the second microbatch adds its dense weight GEMMs into the accumulator the first one
+    # made (addmm_, beta = 1): same tensors, same values as a separate GEMM and add
+    cfg = tiny_config()
+    model = qwen3_moe.build(cfg)
+    params = model.init(seed=6)
+    mb0, mb1 = runner.split_microbatches(random_batch(cfg, 4, 6), 2)
+    works = [
+        runner.backward_microbatch(
+            runner.forward_microbatch(model, params, mb, StageContext(microbatch=i))[0], 0.5
+        )
+        for i, mb in enumerate((mb0, mb1))
+    ]
+    separate = runner.weight_grads(works[0])
+    second = runner.weight_grads(works[1])
+    want = {n: separate[n] + second[n] if n in second else separate[n] for n in separate}
+    works = [
+        runner.backward_microbatch(
+            runner.forward_microbatch(model, params, mb, StageContext(microbatch=i))[0], 0.5
+        )
+        for i, mb in enumerate((mb0, mb1))
+    ]
+    acc: dict[str, torch.Tensor] = {}
+    assert runner.weight_grads(works[0], into=acc) is acc
+    first = dict(acc)
+    taped = {
+        n
+        for w in works[1]
+        for weight, c in w.tape.entries
+        if isinstance(c, DenseWeightGrad)
+        for n in [w.names[id(weight)]]
+    }
+    assert "lm_head.weight" in taped and any(n.endswith("q_proj.weight") for n in taped)
+    runner.weight_grads(works[1], into=acc)
+    assert set(acc) == set(want)
+    for n in taped:
+        assert acc[n] is first[n], n  # added in place, no new tensor
+    for n in want:
+        torch.testing.assert_close(acc[n], want[n], rtol=1e-12, atol=1e-12)
 
 
 def test_hand_written_b_and_w_agree_with_the_derived_ones():

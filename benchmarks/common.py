@@ -13,6 +13,14 @@ from pathlib import Path
 import torch
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def environment() -> dict:
     """GPU, versions and date: what every recorded result carries."""
     try:
@@ -27,6 +35,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": platform.python_version(),
+        "cpu": _cpu_model(),  # host-bound steps depend on it
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import pathlib
 import sys
 
@@ -134,9 +135,10 @@ def eager_step_fn(cfg, device, dtype):
     model = EagerModel(cfg).to(device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
 
-    def step(tokens, labels):
-        for i in range(tokens.shape[0]):  # gradient accumulation, one sequence per micro-batch
-            (model(tokens[i : i + 1], labels[i : i + 1]) / tokens.shape[0]).backward()
+    def step(tokens, labels, micro_batch: int = 1):
+        chunks = tokens.shape[0] // micro_batch
+        for i in range(0, tokens.shape[0], micro_batch):  # gradient accumulation over micro-batches
+            (model(tokens[i : i + micro_batch], labels[i : i + micro_batch]) / chunks).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -254,7 +256,7 @@ def fmoe_step_fn(
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1))
     state = {"opt": tx.init(params), "params": params}
 
-    def step(tokens, labels):
+    def step(tokens, labels, micro_batch: int = 1):
         p = state["params"]
         compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
         unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
@@ -263,7 +265,7 @@ def fmoe_step_fn(
                 model,
                 compute,
                 {"tokens": tokens, "labels": labels},
-                tokens.shape[0],
+                tokens.shape[0] // micro_batch,
                 merge_expert_grads=merge_expert_grads,
             )
         del compute
@@ -291,8 +293,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--microbatches", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument(
-        "--microbatches", type=int, default=1, help="sequences per optimizer step, one per micro-batch"
+        "--micro-batch",
+        type=int,
+        default=1,
+        help="sequences per micro-batch (a step takes microbatches x micro-batch sequences)",
     )
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument(
@@ -316,7 +322,11 @@ def main(argv=None) -> dict:
     seq = 32 if args.tiny else args.seq
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
-    m = args.microbatches
+    if args.micro_batch < 1 or args.microbatches < 1:
+        ap.error(
+            f"--microbatches and --micro-batch: must be >= 1, got {args.microbatches}, {args.micro_batch}"
+        )
+    m = args.microbatches * args.micro_batch  # sequences per step
     tokens = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
     labels = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
     flops = m * seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
@@ -328,8 +338,8 @@ def main(argv=None) -> dict:
     shape = {
         "layers": args.layers,
         "seq": seq,
-        "micro_batch": 1,
-        "microbatches_per_step": m,
+        "micro_batch": args.micro_batch,
+        "microbatches_per_step": args.microbatches,
         "dtype": str(dtype),
         **(TINY if args.tiny else SHAPE),
     }
@@ -357,6 +367,7 @@ def main(argv=None) -> dict:
         else:
             make = {"eager": eager_step_fn, "fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
             step = make(cfg, args.device, dtype)
+        step = functools.partial(step, micro_batch=args.micro_batch)
         ms = time_ms(
             lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device
         )

@@ -95,7 +95,9 @@ class GemmConfig:
 # 1.17 to 1.09 ms, its input gradient from 1.20 to 1.15 ms and its weight gradient from 1.97 to
 # 1.38 ms (down-projection: 0.80 -> 0.67, 0.75 -> 0.60, 0.98 -> 0.73 ms); dense 8192^3 from 600 to
 # 809 TFLOP/s.
-DEFAULT_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2)
+DEFAULT_CONFIG = GemmConfig(
+    block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2
+)
 WGRAD_CONFIG = DEFAULT_CONFIG
 INTERPRET_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 

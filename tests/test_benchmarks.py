@@ -39,6 +39,23 @@ def test_throughput_benchmark_variants_run_on_cpu(tmp_path):
         assert result["results"][side]["step_ms"] > 0, side
 
 
+def test_throughput_benchmark_takes_several_sequences_per_micro_batch(tmp_path, monkeypatch):
+    seen = []
+    real = train_throughput.runner.run_sequential
+
+    def spy(model, params, batch, num_microbatches, **kw):
+        seen.append((batch["tokens"].shape[0], num_microbatches))
+        return real(model, params, batch, num_microbatches, **kw)
+
+    monkeypatch.setattr(train_throughput.runner, "run_sequential", spy)
+    args = ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0", "--microbatches", "2"]
+    result = train_throughput.main([*args, "--micro-batch", "3", "--sides", "eager,fmoe"])
+    assert seen and set(seen) == {(6, 2)}  # 2 micro-batches of 3 sequences
+    assert result["shape"]["micro_batch"] == 3 and result["shape"]["microbatches_per_step"] == 2
+    with pytest.raises(SystemExit):
+        train_throughput.main([*args, "--micro-batch", "0"])
+
+
 def test_cross_entropy_benchmark_runs_on_cpu():
     from benchmarks import bench_cross_entropy
 

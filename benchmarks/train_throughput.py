@@ -165,10 +165,14 @@ FMOE_VARIANTS = {
 CATEGORIES = (  # kernel-name patterns -> share of the step, first match wins
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
-    ("permutation", ("sort", "index", "gather", "scatter", "histogram", "bincount", "_expert", "radix")),
+    ("router/softmax/topk", ("softmax", "topk", "bitonic", "radix")),
+    ("permutation", ("sort", "index", "gather", "scatter", "histogram", "bincount", "_expert")),
     ("fp8 quantization", ("quant",)),
-    ("GEMMs (experts, projections, head)", ("gemm", "xmma", "cutlass", "grouped", "_mm_", "matmul", "sm90")),
-    ("router/softmax/topk", ("softmax", "topk", "bitonic")),
+    ("expert GEMMs (bf16 grouped)", ("groupproblem", "grouped")),
+    (
+        "other GEMMs (head, projections; FP8 Triton GEMMs)",
+        ("gemm", "xmma", "cutlass", "_mm_", "matmul", "sm90", "nvjet", "_nt_kernel", "_wgrad_kernel"),
+    ),
     ("elementwise/norm/other", ("",)),
 )
 

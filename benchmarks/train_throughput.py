@@ -154,11 +154,13 @@ def fmoe_fp8_step_fn(cfg, device, dtype):
     return fmoe_step_fn(cfg, device, dtype, fp8=True)
 
 
-# fmoe with one of its speed-ups taken out, to measure each one side by side with the others on
+# fmoe with one of its speed-ups taken out (or, last, FP8 for the expert GEMMs alone), to measure
+# each side by side with the others on
 FMOE_VARIANTS = {
     "fmoe_unfused": {"fused_blocks": False},  # RMSNorm, SwiGLU, MoE output sum, cross-entropy
     "fmoe_unmerged": {"merge_expert_grads": False},  # expert weight GEMMs once per microbatch + add
     "fmoe_fp32_grads": {"fp32_grads": True},  # fp32 copy of every gradient before the optimizer
+    "fmoe_fp8_experts": {"fp8": True, "fp8_dense": False},  # FP8 expert GEMMs, bf16 projections
 }
 
 
@@ -251,6 +253,7 @@ def fmoe_step_fn(
     fused_blocks: bool = True,
     merge_expert_grads: bool = True,
     fp32_grads: bool = False,
+    fp8_dense: bool = True,
 ):
     from fmoe.stages import layers
     from fmoe.stages.primitives import fp8_training
@@ -264,7 +267,7 @@ def fmoe_step_fn(
         p = state["params"]
         compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
         unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
-        with fp8_training(fp8), unfused:
+        with fp8_training(fp8, dense=fp8_dense), unfused:
             out = runner.run_sequential(
                 model,
                 compute,

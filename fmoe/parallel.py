@@ -182,17 +182,19 @@ def parallel_step(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     fp8: bool = False,
+    fp8_dense: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards).
 
     shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
     batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
-    the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch). The
+    the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch; with
+    fp8_dense=False only the expert GEMMs, see ``fp8_training``). The
     gradient shards are fp32 where they were summed over ranks, else in the compute dtype.
     """
     params = gather_params(shards, infos, mesh, dtype)
     mine = local_batch(batch, mesh)
-    with fp8_training(fp8):
+    with fp8_training(fp8, dense=fp8_dense):
         if mesh.pp > 1:
             from fmoe.interpreter import run_schedule
 

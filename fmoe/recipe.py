@@ -43,6 +43,7 @@ class TrainConfig:
     dtype: str = "float32"  # compute dtype: float32 or bfloat16 (master weights stay float32)
     device: str = "auto"  # auto, cpu or cuda
     fp8: bool = False
+    fp8_dense: bool = True  # with fp8: the attention projections in FP8 too (False: experts only)
 
 
 @dataclass(frozen=True)

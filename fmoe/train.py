@@ -325,7 +325,7 @@ def train(
             loss, grads = parallel.parallel_step(
                 model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
-                fp8=recipe.train.fp8,
+                fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense,
             )  # fmt: skip
             shards, state = optim.step(tx, grads, state, shards)
             step += 1

@@ -51,6 +51,7 @@ class WeightGradTape:
 
 
 _FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
+_FP8_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense", default=True)
 _ACTIVE_TAPE: contextvars.ContextVar[WeightGradTape | None] = contextvars.ContextVar(
     "fmoe_weight_grad_tape", default=None
 )
@@ -72,19 +73,23 @@ def defer_weight_grads(tape: WeightGradTape) -> Iterator[WeightGradTape]:
 
 
 @contextlib.contextmanager
-def fp8_training(enabled: bool = True) -> Iterator[None]:
+def fp8_training(enabled: bool = True, *, dense: bool = True) -> Iterator[None]:
     """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
 
     Activations and output gradients are quantized in 1x128 groups, weights in 128x128 blocks, FP32
     accumulation. A weight is quantized once per block - the training loop opens one per optimizer
     step - and reused by every microbatch; the cache is keyed by the weight's storage and version, so
     an in-place update is seen. Layers whose dims are not multiples of 128, and calls made with
-    ``fp8=False`` (router, LM head), stay in the compute dtype.
+    ``fp8=False`` (router, LM head), stay in the compute dtype. ``dense=False`` keeps every
+    ``linear`` (the attention projections) in the compute dtype too: only the expert GEMMs run in
+    FP8 (at a few thousand tokens per microbatch the projections' GEMMs are too small to gain).
     """
     token = _FP8_WEIGHTS.set({} if enabled else None)
+    dense_token = _FP8_DENSE.set(dense)
     try:
         yield
     finally:
+        _FP8_DENSE.reset(dense_token)
         _FP8_WEIGHTS.reset(token)
 
 
@@ -347,10 +352,11 @@ def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
     """``x @ w.T`` with a deferrable weight gradient. x: [..., in], w: [out, in] -> [..., out].
 
     Inside :func:`fp8_training` it runs as FP8 GEMMs unless ``fp8=False`` (keep the router and the
-    LM head in the compute dtype, as DeepSeek-V3 does) or the dims are not multiples of 128.
+    LM head in the compute dtype, as DeepSeek-V3 does), the block was opened with ``dense=False``,
+    or the dims are not multiples of 128.
     """
     cache = _FP8_WEIGHTS.get()
-    if fp8 and cache is not None and _fp8_eligible(x, w):
+    if fp8 and cache is not None and _FP8_DENSE.get() and _fp8_eligible(x, w):
         return _Fp8Linear.apply(x, w, _fp8_weight(w, cache))
     return _Linear.apply(x, w)
 

@@ -86,6 +86,33 @@ def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(monk
     assert len(set(calls)) <= per_layer
 
 
+def test_fp8_dense_false_keeps_the_projections_in_the_compute_dtype(monkeypatch):
+    calls = []
+    real = primitives._quantize_weight
+
+    def counting(w):
+        calls.append(tuple(w.shape))
+        return real(w)
+
+    monkeypatch.setattr(primitives, "_quantize_weight", counting)
+    cfg = fp8_config()
+    model = qwen3_moe_build(cfg)
+    params = model.init(seed=0)
+    batch = random_batch(cfg, 2, 16)
+    with fp8_training(True, dense=False):
+        experts_only = runner.run_sequential(model, params, batch, 2).grads
+    # only gate_up and down of each MoE layer are quantized; q, k, v, o are not
+    expert_shapes = {tuple(params[n].shape) for n in params if ".experts." in n}
+    assert len(calls) == 2 * cfg.num_hidden_layers and set(calls) <= expert_shapes
+    with fp8_training(True):
+        everything = runner.run_sequential(model, params, batch, 2).grads
+    exact = runner.run_sequential(model, params, batch, 2).grads
+    q = next(n for n in params if n.endswith("q_proj.weight"))
+    # the projections' gradients move only through the FP8 experts' effect on their inputs
+    err = lambda g: ((g[q] - exact[q]).norm() / exact[q].norm()).item()  # noqa: E731
+    assert err(experts_only) < err(everything)
+
+
 def test_fp8_expert_weight_grads_merge_over_microbatches_within_the_fp8_bound(monkeypatch):
     # merged, a step's FP8 expert wgrad is one GEMM over all its microbatches' rows (quantized
     # along tokens after the regroup); it must agree with the per-microbatch FP8 GEMMs plus adds as

@@ -21,6 +21,20 @@ def torch_kernels(monkeypatch):
     monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
 
 
+@pytest.fixture
+def quantized_shapes(monkeypatch):
+    """The shapes of the weights quantized while a test runs, one entry per quantization."""
+    calls = []
+    real = primitives._quantize_weight
+
+    def counting(w):
+        calls.append(tuple(w.shape))
+        return real(w)
+
+    monkeypatch.setattr(primitives, "_quantize_weight", counting)
+    return calls
+
+
 def fp8_bound(x, w):
     """E4M3 keeps 3 mantissa bits: each operand is off by <= 2^-4 relative, so a product of two
     quantized operands by <= ~2 x 2^-4 of |x| @ |w|."""
@@ -66,15 +80,8 @@ def test_fp8_grouped_linear_b_and_w_agree_within_the_fp8_bound_with_an_empty_exp
     assert torch.equal(out["fp8"][2][1], torch.zeros_like(w[1]))
 
 
-def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(monkeypatch):
-    calls = []
-    real = primitives._quantize_weight
-
-    def counting(w):
-        calls.append(tuple(w.shape))
-        return real(w)
-
-    monkeypatch.setattr(primitives, "_quantize_weight", counting)
+def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(quantized_shapes):
+    calls = quantized_shapes
     cfg = fp8_config()
     model = qwen3_moe_build(cfg)
     params = model.init(seed=0)
@@ -86,15 +93,8 @@ def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(monk
     assert len(set(calls)) <= per_layer
 
 
-def test_fp8_dense_false_keeps_the_projections_in_the_compute_dtype(monkeypatch):
-    calls = []
-    real = primitives._quantize_weight
-
-    def counting(w):
-        calls.append(tuple(w.shape))
-        return real(w)
-
-    monkeypatch.setattr(primitives, "_quantize_weight", counting)
+def test_fp8_dense_false_keeps_the_projections_in_the_compute_dtype(quantized_shapes):
+    calls = quantized_shapes
     cfg = fp8_config()
     model = qwen3_moe_build(cfg)
     params = model.init(seed=0)

@@ -2,7 +2,7 @@
 
     fmoe train [RECIPE] [--set SECTION.KEY=VALUE ...]     train (the embedded tiny recipe by default)
     fmoe data build INPUTS... --out DIR [--tokenizer tokenizer.json|bytes] [--workers N]
-    fmoe checkpoint export-hf CHECKPOINT --recipe RECIPE --out DIR
+    fmoe checkpoint export-hf CHECKPOINT --recipe RECIPE --out DIR [--overwrite] [--dtype float32|bfloat16]
     fmoe checkpoint import-hf HF_DIR --out CHECKPOINT_DIR
     fmoe schedule show NAME --pp P --microbatches M [--png FILE] [--csv FILE]
     fmoe schedule check FILE.csv
@@ -58,8 +58,12 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{path}: no checkpoint (no model.safetensors, no step_* folder)")
         path = Path(found)
     params, _, _ = checkpoint.load(path)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    out = hf.export_hf(recipe.model_family, recipe.model, params, args.out, dtype=dtype)
+    # default: the checkpoint's own dtype (fp32 masters stay fp32; a cast is asked for by --dtype)
+    dtype = None if args.dtype is None else {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    out = hf.export_hf(
+        recipe.model_family, recipe.model, params, args.out, dtype=dtype,
+        tokenizer=recipe.data.tokenizer, overwrite=args.overwrite, protect=(path,),
+    )  # fmt: skip
     print(f"exported {path} -> {out}")
     return 0
 
@@ -67,10 +71,16 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from fmoe import checkpoint, hf
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # a folder of checkpoints would lose them to keep-N (and the import to their higher steps)
+        raise ValueError(
+            f"{out}: --out is not an empty folder; import into a new (or empty) checkpoint folder"
+        )
     family, cfg, params = hf.import_hf(args.hf_dir)
     trainer_state = {"step": 0, "imported_from": str(args.hf_dir), "family": family}
-    out = checkpoint.save(Path(args.out), 0, params, {}, trainer_state, keep=1)
-    print(f"imported {args.hf_dir} ({family}) -> {out}")
+    saved = checkpoint.save(out, 0, params, {}, trainer_state, keep=1)
+    print(f"imported {args.hf_dir} ({family}) -> {saved}")
     return 0
 
 
@@ -91,7 +101,15 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a step_* folder or a checkpoint folder (its latest step)")
     e.add_argument("--recipe", required=True)
     e.add_argument("--out", required=True)
-    e.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    e.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="cast the tensors (default: the checkpoint's dtype)",
+    )
+    e.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out once the new export is complete"
+    )
     e.set_defaults(fn=cmd_export_hf)
     i = ck.add_parser("import-hf", help="Hugging Face folder -> checkpoint")
     i.add_argument("hf_dir")
@@ -114,10 +132,17 @@ def main(argv: list[str] | None = None) -> int:
             return cli.main(argv[1:])
         args = parser().parse_args(argv)
         return args.fn(args)
-    except (ValueError, FileNotFoundError, KeyError, SafetensorError, CheckpointWriteError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"fmoe: error: {message}", file=sys.stderr)
+    except (ValueError, OSError, KeyError, SafetensorError, CheckpointWriteError) as e:
+        print(f"fmoe: error: {error_line(e)}", file=sys.stderr)
         return 2
+
+
+def error_line(e: BaseException) -> str:
+    """The exception as the one line the CLI promises (a KeyError's message unquoted; line breaks
+    in a message folded into '; ')."""
+    message = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    message = "; ".join(part.strip() for part in message.splitlines() if part.strip())
+    return message or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -30,29 +30,144 @@ def family(name: str) -> ModuleType:
     return FAMILIES[name]
 
 
+class ExportError(ValueError):
+    """An export that would overwrite or delete something; the message names the folder."""
+
+
+def byte_level_tokenizer_json(eos_token: str = "<|endoftext|>") -> str:
+    """A ``tokenizers`` tokenizer.json whose ids are fmoe's byte ids: UTF-8 byte b -> id b, and
+    ``eos_token`` -> 256 (``fmoe.data.BYTES_EOS``), so text encodes as ``fmoe data build --tokenizer
+    bytes`` tokenizes it (no merges: one token per byte; no special tokens added on encode)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from fmoe.data import BYTES_EOS
+
+    # The byte-level pre-tokenizer spells each byte as one printable character (GPT-2's table:
+    # printable Latin-1 bytes stand for themselves, the others take the code points from 256 up, in
+    # byte order); the vocabulary maps that character back to the byte's id.
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), 256),
+    ]
+    spelling: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in spelling:
+            spelling[b] = chr(256 + extra)
+            extra += 1
+    vocab = {spelling[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(eos_token, special=True, normalized=False)])
+    if tok.token_to_id(eos_token) != BYTES_EOS:
+        raise AssertionError(
+            f"byte tokenizer: {eos_token!r} got id {tok.token_to_id(eos_token)}, not {BYTES_EOS}"
+        )
+    return tok.to_str()
+
+
+def _tokenizer_files(tokenizer: str | os.PathLike, max_length: int) -> dict[str, str]:
+    """{file name: text} of the exported tokenizer: tokenizer.json and tokenizer_config.json.
+
+    tokenizer: "bytes" (fmoe's byte ids) or the path of the Hugging Face tokenizer.json the data was
+    built with (copied as it is)."""
+    from fmoe.data import load_tokenizer
+
+    if str(tokenizer) == "bytes":
+        eos = "<|endoftext|>"
+        tokenizer_json = byte_level_tokenizer_json(eos)
+    else:
+        spec = load_tokenizer(tokenizer)  # FileNotFoundError / ValueError naming the file
+        eos = spec.eos_token
+        tokenizer_json = Path(tokenizer).read_text()
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool, protect: tuple[Path, ...]) -> None:
+    """Refuse an output folder whose contents fmoe would destroy (ExportError naming it)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{out_dir}: --out exists and is not a folder")
+    cwd = Path.cwd().resolve()
+    for kept in (cwd, *protect):
+        if out_dir == kept or out_dir in kept.parents:
+            what = "the current folder" if kept == cwd else str(kept)
+            raise ExportError(
+                f"{out_dir}: --out holds {what}; replacing it would delete it: choose another folder"
+            )
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(
+            f"{out_dir}: --out is not empty; choose a new folder, or pass --overwrite to replace it "
+            "(after the new export is complete)"
+        )
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is put back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def export_hf(
-    family_name: str, cfg, params: dict[str, Tensor], out_dir: str | Path, dtype: torch.dtype | None = None
+    family_name: str,
+    cfg,
+    params: dict[str, Tensor],
+    out_dir: str | Path,
+    dtype: torch.dtype | None = None,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    protect: tuple[str | Path, ...] = (),
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` for transformers; returns the folder."""
+    """Write ``config.json`` + ``model.safetensors`` (+ a tokenizer) for transformers; returns the folder.
+
+    dtype: the tensors' dtype in the file (None: as in ``params``, the checkpoint's own dtype).
+    tokenizer: "bytes" or a tokenizer.json path: the data's tokenizer, written beside the model
+    (tokenizer.json + tokenizer_config.json) so ``AutoTokenizer.from_pretrained`` gives the ids
+    fmoe trained on; None writes none.
+    overwrite: replace a non-empty ``out_dir`` (else ExportError, nothing touched). The export is
+    written to a new sibling folder and renamed into place, so ``out_dir`` is only replaced once the
+    new one is complete. protect: folders ``out_dir`` must neither be nor contain (the source).
+    Files get the default permissions (the umask's).
+    """
     fam = family(family_name)
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # "." and "x/.." name their folder, not ""
+    _check_out_dir(out_dir, overwrite, tuple(Path(p).resolve() for p in protect))
     tensors = {
         k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
         for k, v in fam.to_hf(cfg, params).items()
     }
+    files = {} if tokenizer is None else _tokenizer_files(tokenizer, cfg.max_position_embeddings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")
+    old = out_dir.with_name(f".{out_dir.name}.old-{tag}")
+    os.mkdir(tmp)  # not mkdtemp: its 0700 would make the export private to this user
     try:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())  # safetensors writes it 0600
         config = fam.hf_config(cfg)
         config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            os.replace(out_dir, old)  # only with overwrite (checked above); removed once tmp is in place
+        os.replace(tmp, out_dir)  # onto a missing or empty folder
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
         raise
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

@@ -40,7 +40,7 @@ from torch.distributed import distributed_c10d as c10d
 
 FAILURE_KEY = "fmoe/pipeline_failure"
 POLL_S = 0.02
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = 600.0  # library default; a recipe sets its own (parallel.timeout_s)
 
 
 class PipelineError(RuntimeError):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fmoe import dist as D
 from fmoe import runner
 from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.mesh import Mesh
@@ -183,13 +184,15 @@ def parallel_step(
     seed: int = 0,
     fp8: bool = False,
     fp8_dense: bool = True,
+    timeout_s: float = D.DEFAULT_TIMEOUT_S,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards).
 
     shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
     batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
     the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch; with
-    fp8_dense=False only the expert GEMMs, see ``fp8_training``). The
+    fp8_dense=False only the expert GEMMs, see ``fp8_training``); timeout_s: how long a pipeline
+    rank waits for a peer before it gives up (``fmoe.dist.wait``). The
     gradient shards are fp32 where they were summed over ranks, else in the compute dtype.
     """
     params = gather_params(shards, infos, mesh, dtype)
@@ -199,7 +202,14 @@ def parallel_step(
             from fmoe.interpreter import run_schedule
 
             result = run_schedule(
-                schedule, model, params, mine, mesh.group("pp"), seed=seed, stage_groups=mesh.stage_groups()
+                schedule,
+                model,
+                params,
+                mine,
+                mesh.group("pp"),
+                seed=seed,
+                stage_groups=mesh.stage_groups(),
+                timeout_s=timeout_s,
             )
         else:
             result = _local_step(model, params, mine, num_microbatches, mesh, seed)

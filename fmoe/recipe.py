@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -68,6 +69,7 @@ class ParallelConfig:
     ep: int = 1
     schedule: str = "1f1b"  # a generator name, or a path to a CSV table
     chunks: int = 1  # model chunks per pipeline rank for interleaved schedules
+    timeout_s: float = 600.0  # how long a rank waits for a peer (pipeline transfers, process group)
 
 
 @dataclass(frozen=True)
@@ -185,11 +187,94 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise RecipeError(f"{where}: train.device must be 'auto', 'cpu' or 'cuda', got {t.device!r}")
-    if recipe.optim.schedule not in ("cosine", "wsd"):
-        raise RecipeError(f"{where}: optim.schedule must be 'cosine' or 'wsd', got {recipe.optim.schedule!r}")
-    if recipe.optim.warmup >= t.steps:
+    _validate_optim(recipe, where)
+    if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
         raise RecipeError(
-            f"{where}: optim.warmup ({recipe.optim.warmup}) must be below train.steps ({t.steps})"
+            f"{where}: parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}"
+        )
+    max_positions = recipe.model.max_position_embeddings
+    if max_positions < recipe.data.seq_len:
+        raise RecipeError(
+            f"{where}: model.max_position_embeddings ({max_positions}) must be >= data.seq_len "
+            f"({recipe.data.seq_len})"
+        )
+    _validate_schedule(recipe, where)
+
+
+def _validate_optim(recipe: Recipe, where: str) -> None:
+    """The optimizer fields, named as the recipe names them (the optimizer's own checks name its
+    arguments, which a recipe's author never wrote)."""
+    o, steps = recipe.optim, recipe.train.steps
+    if o.schedule not in ("cosine", "wsd"):
+        raise RecipeError(f"{where}: optim.schedule must be 'cosine' or 'wsd', got {o.schedule!r}")
+    for name in ("lr", "eps", "clip"):
+        value = getattr(o, name)
+        if not (math.isfinite(value) and value > 0):
+            raise RecipeError(f"{where}: optim.{name} must be a finite number > 0, got {value}")
+    for name in ("min_lr", "weight_decay"):
+        value = getattr(o, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise RecipeError(f"{where}: optim.{name} must be a finite number >= 0, got {value}")
+    if o.min_lr > o.lr:
+        raise RecipeError(f"{where}: optim.min_lr ({o.min_lr}) must be <= optim.lr ({o.lr})")
+    for name in ("b1", "b2"):
+        value = getattr(o, name)
+        if not 0 <= value < 1:
+            raise RecipeError(f"{where}: optim.{name} must be in [0, 1), got {value}")
+    if o.warmup < 0:
+        raise RecipeError(f"{where}: optim.warmup must be >= 0, got {o.warmup}")
+    if o.warmup >= steps:
+        raise RecipeError(f"{where}: optim.warmup ({o.warmup}) must be below train.steps ({steps})")
+    if o.schedule == "wsd":
+        if not 0 < o.decay_fraction <= 1:
+            raise RecipeError(f"{where}: optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+        decay = max(1, int(steps * o.decay_fraction))  # as fmoe.train.make_optimizer computes it
+        if decay > steps - o.warmup:
+            raise RecipeError(
+                f"{where}: optim.decay_fraction ({o.decay_fraction}) x train.steps ({steps}) = {decay} decay "
+                f"steps do not fit after optim.warmup ({o.warmup}): lower one of them"
+            )
+
+
+def _validate_schedule(recipe: Recipe, where: str) -> None:
+    """parallel.schedule names a generator or an existing CSV (whatever pp is), and with pp > 1 every
+    pipeline rank runs at least one model stage (a rank with none would wait on its peers forever)."""
+    from fmoe import pipeline, schedules
+    from fmoe.hf import family as family_module
+
+    p = recipe.parallel
+    name = p.schedule
+    if name.endswith(".csv"):
+        if not Path(name).is_file():
+            raise RecipeError(f"{where}: parallel.schedule: {name!r}: file not found")
+    elif name not in schedules.GENERATORS:
+        raise RecipeError(
+            f"{where}: parallel.schedule: unknown schedule {name!r}; choose one of "
+            f"{', '.join(schedules.GENERATORS)} or a .csv table"
+        )
+    if p.pp == 1:
+        return
+    if name.endswith(".csv"):
+        try:
+            table = schedules.read_csv(name)
+        except (ValueError, OSError) as e:
+            raise RecipeError(f"{where}: parallel.schedule {name!r}: {e}") from None
+        placement, chunks = table.placement, table.chunks
+    else:
+        _, placement, chunks = schedules.GENERATORS[name]
+        if name == "interleaved-1f1b":
+            chunks = p.chunks
+    model = family_module(recipe.model_family).build(recipe.model)
+    try:
+        stage_map = pipeline.stage_map(model, placement, p.pp, chunks)
+    except ValueError as e:
+        raise RecipeError(f"{where}: parallel.schedule {name!r}: {e}") from None
+    idle = [r for r in range(p.pp) if not any(stage_map[(r, c)] for c in range(chunks))]
+    if idle:
+        raise RecipeError(
+            f"{where}: parallel.pp = {p.pp} ({name}: {p.pp if placement == 'bidir' else p.pp * chunks} "
+            f"pipeline stages) but model.num_hidden_layers = {recipe.model.num_hidden_layers}: pipeline "
+            f"rank {idle[0]} would run no stage; use fewer pipeline ranks or more layers"
         )
 
 
@@ -218,7 +303,11 @@ def load(path: str | Path, overrides: dict | None = None) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not a TOML text file (byte {e.start} is not UTF-8)") from None
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: not valid TOML ({e})") from None
     for key, value in (overrides or {}).items():

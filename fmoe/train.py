@@ -11,6 +11,7 @@ state, step, data cursor and RNG, so N steps + resume + N steps equals 2N straig
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -109,6 +110,35 @@ def ensure_dataset(recipe: Recipe) -> Path:
     return path
 
 
+def check_dataset_tokenizer(recipe: Recipe) -> None:
+    """An existing dataset must have been built with the recipe's ``data.tokenizer`` (its index.json
+    records the tokenizer: kind, and the tokenizer.json's sha256); RecipeError naming both if not."""
+    path = Path(recipe.data.path)
+    if not (path / "index.json").is_file():
+        return  # built from data.build_from with data.tokenizer, so they agree
+    try:
+        recorded = data.TokenDataset(path).tokenizer
+    except ValueError as e:
+        raise RecipeError(f"{recipe.path}: data.path: {e}") from None
+    wanted = recipe.data.tokenizer
+    built_with = recorded.get("path") or recorded.get("kind")
+    if wanted == "bytes":
+        same = recorded.get("kind") == "bytes"
+    else:
+        file = Path(wanted)
+        if not file.is_file():
+            raise RecipeError(f"{recipe.path}: data.tokenizer {wanted!r}: file not found")
+        same = (
+            recorded.get("kind") == "hf"
+            and recorded.get("sha256") == hashlib.sha256(file.read_bytes()).hexdigest()
+        )
+    if not same:
+        raise RecipeError(
+            f"{recipe.path}: data.tokenizer {wanted!r} is not the tokenizer dataset {str(path)!r} was built with "
+            f"({built_with}): set data.tokenizer to it, or point data.path at a dataset built with {wanted!r}"
+        )
+
+
 class MetricsLog:
     """Metrics as JSON lines, and to TensorBoard when it is installed."""
 
@@ -154,7 +184,7 @@ def _setup_mesh(recipe: Recipe):
     except MeshError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None
     if world > 1 and not dist.is_initialized():
-        D.init_from_env()
+        D.init_from_env(timeout_s=p.timeout_s)
     return build_mesh(p.pp, p.dp, p.cp, p.ep)
 
 
@@ -218,6 +248,7 @@ def train(
     t0 = time.perf_counter()
     fam = family_module(recipe.model_family)
     cfg = recipe.model
+    check_dataset_tokenizer(recipe)
     mesh = _setup_mesh(recipe)
     lead = mesh.rank == 0
     device = pick_device(recipe.train.device)
@@ -325,7 +356,7 @@ def train(
             loss, grads = parallel.parallel_step(
                 model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
-                fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense,
+                fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
             )  # fmt: skip
             shards, state = optim.step(tx, grads, state, shards)
             step += 1

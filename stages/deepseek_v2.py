@@ -120,6 +120,8 @@ class DeepseekV2Config:
             "v_head_dim",
             "moe_intermediate_size",
             "intermediate_size",
+            "max_position_embeddings",
+            "rope_theta",
         )
         for f in positive:
             if getattr(self, f) <= 0:

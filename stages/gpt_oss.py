@@ -99,6 +99,8 @@ class GptOssConfig:
             "num_local_experts",
             "num_experts_per_tok",
             "swiglu_limit",
+            "max_position_embeddings",
+            "rope_theta",
         )
         for f in positive:
             if getattr(self, f) <= 0:

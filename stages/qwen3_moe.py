@@ -75,10 +75,15 @@ class Qwen3MoeConfig:
                 continue
             if isinstance(value, int | float) and value < 0:
                 raise ValueError(f"Qwen3MoeConfig.{f.name} must be >= 0, got {value}")
-        positive = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_experts")
+        positive = (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "num_experts", "moe_intermediate_size", "intermediate_size", "max_position_embeddings", "rope_theta",
+        )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Qwen3MoeConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ValueError(f"Qwen3MoeConfig.head_dim must be > 0 or None, got {self.head_dim}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"Qwen3MoeConfig: num_attention_heads ({self.num_attention_heads}) must divide "

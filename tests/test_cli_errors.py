@@ -1,0 +1,129 @@
+"""The CLI's error contract: bad input ends with ONE stderr line ``fmoe: error: ...`` naming the field
+or file, and exit status 2; recipes that can never run are refused before any data build or step."""
+
+from __future__ import annotations
+
+import pytest
+from test_train import recipe_dict, toml_text
+
+from fmoe import cli, data, hf, parallel
+from fmoe import recipe as R
+from fmoe.train import train
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    """A byte-tokenized dataset (as tests/test_train.py's)."""
+    root = tmp_path_factory.mktemp("data")
+    corpus = data.builtin_corpus(root / "corpus.txt", 200_000)
+    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
+    return str(root / "bytes")
+
+
+def run_cli(args, capsys) -> tuple[int, str]:
+    code = cli.main(args)
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(code: int, err: str, *names: str) -> None:
+    """Exit 2, exactly one stderr line starting 'fmoe: error: ', naming each of ``names``."""
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("fmoe: error: "), err
+    for name in names:
+        assert name in err, (name, err)
+
+
+def train_cli(tmp_path, dataset, capsys, **sections) -> tuple[int, str, str]:
+    """``fmoe train`` on the test recipe with ``sections`` merged in (a [model] naming another family
+    replaces the test's Qwen model); (code, stderr, recipe path)."""
+    d = recipe_dict(tmp_path, dataset, **sections)
+    if "family" in sections.get("model", {}):
+        d["model"] = sections["model"]
+    path = tmp_path / "bad.toml"
+    path.write_text(toml_text(d))
+    code, err = run_cli(["train", str(path)], capsys)
+    return code, err, str(path)
+
+
+@pytest.mark.parametrize(
+    "sections, field",
+    [
+        ({"model": {"head_dim": 0}}, "head_dim must be > 0"),
+        ({"model": {"num_hidden_layers": 0}}, "num_hidden_layers must be > 0"),
+        ({"model": {"moe_intermediate_size": 0}}, "moe_intermediate_size must be > 0"),
+        ({"model": {"family": "deepseek_v2", "vocab_size": 264, "rope_theta": 0.0}}, "rope_theta must be > 0"),
+        ({"model": {"family": "gpt_oss", "vocab_size": 264, "max_position_embeddings": 0}},
+         "max_position_embeddings must be > 0"),
+        ({"model": {"max_position_embeddings": 16}}, "model.max_position_embeddings (16) must be >= data.seq_len (32)"),
+        ({"optim": {"lr": 1e-3, "min_lr": 1e-2}}, "optim.min_lr (0.01) must be <= optim.lr (0.001)"),
+        ({"optim": {"lr": -1.0}}, "optim.lr must be a finite number > 0"),
+        ({"optim": {"b2": 1.0}}, "optim.b2 must be in [0, 1)"),
+        ({"optim": {"schedule": "wsd", "decay_fraction": 0.9, "warmup": 2}}, "optim.decay_fraction"),
+        ({"parallel": {"schedule": "no-such-schedule"}}, "parallel.schedule: unknown schedule 'no-such-schedule'"),
+        ({"parallel": {"schedule": "missing.csv"}}, "parallel.schedule: 'missing.csv': file not found"),
+        ({"parallel": {"timeout_s": 0}}, "parallel.timeout_s must be a finite number of seconds > 0"),
+        # 4 pipeline stages for a 1-layer model: ranks 2 and 3 would hold nothing and wait forever
+        ({"model": {"num_hidden_layers": 1}, "parallel": {"pp": 4}, "train": {"global_batch": 8, "microbatches": 4}},
+         "pipeline rank 2 would run no stage"),
+    ],
+)  # fmt: skip
+def test_recipes_that_can_never_run_are_refused_up_front_naming_the_field(
+    tmp_path, dataset, capsys, monkeypatch, sections, field
+):
+    def no_data(*args, **kwargs):
+        raise AssertionError("the recipe reached the data pipeline")
+
+    monkeypatch.setattr("fmoe.train.ensure_dataset", no_data)
+    code, err, path = train_cli(tmp_path, dataset, capsys, **sections)
+    assert_one_line_error(code, err, path, field)
+
+
+def test_a_tokenizer_other_than_the_datasets_is_refused_naming_both(tmp_path, dataset, capsys):
+    tokenizer = tmp_path / "tokenizer.json"  # same ids as bytes, but another tokenizer identity
+    tokenizer.write_text(hf.byte_level_tokenizer_json())
+    code, err, path = train_cli(tmp_path, dataset, capsys, data={"tokenizer": str(tokenizer)})
+    assert_one_line_error(code, err, path, f"data.tokenizer '{tokenizer}'", dataset, "bytes")
+
+
+def test_a_binary_recipe_file_is_named(tmp_path, capsys):
+    path = tmp_path / "weights.toml"
+    path.write_bytes(bytes(range(256)) * 4)
+    code, err = run_cli(["train", str(path)], capsys)
+    assert_one_line_error(code, err, str(path), "not a TOML text file")
+
+
+def test_a_multi_line_error_message_prints_as_one_line(tmp_path, capsys, monkeypatch):
+    def import_hf(folder, family_name=None):
+        raise ValueError(f"{folder}: tensor 'model.embed_tokens.weight' has shape [3, 4]\nexpected [264, 32]")
+
+    monkeypatch.setattr(hf, "import_hf", import_hf)
+    code, err = run_cli(
+        ["checkpoint", "import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")], capsys
+    )
+    assert_one_line_error(code, err, "model.embed_tokens.weight", "expected [264, 32]")
+
+
+def test_an_unreadable_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    def import_hf(folder, family_name=None):
+        raise PermissionError(13, "Permission denied", f"{folder}/config.json")
+
+    monkeypatch.setattr(hf, "import_hf", import_hf)
+    code, err = run_cli(
+        ["checkpoint", "import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "c")], capsys
+    )
+    assert_one_line_error(code, err, str(tmp_path / "hf" / "config.json"), "Permission denied")
+
+
+def test_the_recipes_timeout_reaches_the_step(tmp_path, dataset, monkeypatch):
+    seen: list[float] = []
+    step = parallel.parallel_step
+
+    def recording_step(*args, timeout_s, **kwargs):
+        seen.append(timeout_s)
+        return step(*args, timeout_s=timeout_s, **kwargs)
+
+    monkeypatch.setattr(parallel, "parallel_step", recording_step)
+    d = recipe_dict(tmp_path, dataset, train={"steps": 3}, parallel={"timeout_s": 42.5})
+    train(R.from_dict(d))
+    assert seen == [42.5, 42.5, 42.5]
+    assert R.from_dict(recipe_dict(tmp_path, dataset)).parallel.timeout_s == 600.0

@@ -60,10 +60,13 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     params, _, _ = checkpoint.load(path)
     # default: the checkpoint's own dtype (fp32 masters stay fp32; a cast is asked for by --dtype)
     dtype = None if args.dtype is None else {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    out = hf.export_hf(
-        recipe.model_family, recipe.model, params, args.out, dtype=dtype,
-        tokenizer=recipe.data.tokenizer, overwrite=args.overwrite, protect=(path,),
-    )  # fmt: skip
+    try:
+        out = hf.export_hf(
+            recipe.model_family, recipe.model, params, args.out, dtype=dtype,
+            tokenizer=recipe.data.tokenizer, overwrite=args.overwrite, protect=(path,),
+        )  # fmt: skip
+    except hf.WeightsMismatch as e:
+        raise ValueError(f"{path} is not a checkpoint of {args.recipe}'s [model]: {e}") from None
     print(f"exported {path} -> {out}")
     return 0
 

@@ -109,6 +109,27 @@ def _check_out_dir(out_dir: Path, overwrite: bool, protect: tuple[Path, ...]) ->
         )
 
 
+class WeightsMismatch(ValueError):
+    """Weights that do not fit the config they are exported with; the message names the tensor."""
+
+
+def _check_params_fit(fam: ModuleType, cfg, params: dict[str, Tensor]) -> None:
+    """WeightsMismatch naming the first parameter that the config's model lacks, or has another shape."""
+    shapes = fam.param_shapes(cfg)
+    missing = [n for n in shapes if n not in params]
+    extra = [n for n in params if n not in shapes]
+    if missing or extra:
+        raise WeightsMismatch(
+            f"the weights do not fit the model config: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    for name, shape in shapes.items():
+        if tuple(params[name].shape) != tuple(shape):
+            raise WeightsMismatch(
+                f"the weights do not fit the model config: {name} has shape {list(params[name].shape)}, "
+                f"the config gives {list(shape)}"
+            )
+
+
 def _umask() -> int:
     """The process's umask (reading it means setting it; it is put back at once)."""
     mask = os.umask(0o077)
@@ -141,6 +162,7 @@ def export_hf(
     fam = family(family_name)
     out_dir = Path(out_dir).resolve()  # "." and "x/.." name their folder, not ""
     _check_out_dir(out_dir, overwrite, tuple(Path(p).resolve() for p in protect))
+    _check_params_fit(fam, cfg, params)
     tensors = {
         k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
         for k, v in fam.to_hf(cfg, params).items()

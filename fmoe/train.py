@@ -113,6 +113,11 @@ def ensure_dataset(recipe: Recipe) -> Path:
 def check_dataset_tokenizer(recipe: Recipe) -> None:
     """An existing dataset must have been built with the recipe's ``data.tokenizer`` (its index.json
     records the tokenizer: kind, and the tokenizer.json's sha256); RecipeError naming both if not."""
+    wanted = recipe.data.tokenizer
+    if wanted != "bytes" and not Path(wanted).is_file():
+        raise RecipeError(
+            f"{recipe.path}: data.tokenizer {wanted!r}: file not found (give a tokenizer.json or 'bytes')"
+        )
     path = Path(recipe.data.path)
     if not (path / "index.json").is_file():
         return  # built from data.build_from with data.tokenizer, so they agree
@@ -120,14 +125,11 @@ def check_dataset_tokenizer(recipe: Recipe) -> None:
         recorded = data.TokenDataset(path).tokenizer
     except ValueError as e:
         raise RecipeError(f"{recipe.path}: data.path: {e}") from None
-    wanted = recipe.data.tokenizer
     built_with = recorded.get("path") or recorded.get("kind")
     if wanted == "bytes":
         same = recorded.get("kind") == "bytes"
     else:
         file = Path(wanted)
-        if not file.is_file():
-            raise RecipeError(f"{recipe.path}: data.tokenizer {wanted!r}: file not found")
         same = (
             recorded.get("kind") == "hf"
             and recorded.get("sha256") == hashlib.sha256(file.read_bytes()).hexdigest()

@@ -85,6 +85,11 @@ def test_a_tokenizer_other_than_the_datasets_is_refused_naming_both(tmp_path, da
     assert_one_line_error(code, err, path, f"data.tokenizer '{tokenizer}'", dataset, "bytes")
 
 
+def test_a_missing_tokenizer_file_names_the_field(tmp_path, dataset, capsys):
+    code, err, path = train_cli(tmp_path, dataset, capsys, data={"tokenizer": str(tmp_path / "nope.json")})
+    assert_one_line_error(code, err, path, f"data.tokenizer '{tmp_path / 'nope.json'}': file not found")
+
+
 def test_a_binary_recipe_file_is_named(tmp_path, capsys):
     path = tmp_path / "weights.toml"
     path.write_bytes(bytes(range(256)) * 4)

@@ -194,3 +194,13 @@ def test_import_into_a_folder_of_checkpoints_is_refused_and_deletes_nothing(run,
     code = cli.main(["checkpoint", "import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "new")])
     assert code == 0, capsys.readouterr().err
     assert checkpoint.latest(tmp_path / "new").name.endswith("0")
+
+
+def test_a_recipe_whose_model_does_not_fit_the_checkpoint_is_refused_naming_the_tensor(run, tmp_path, capsys):
+    ckpt, _, _ = run
+    d = {"model": {**MODEL, "hidden_size": 48}, "data": {"path": str(tmp_path / "data"), "seq_len": 32}}
+    recipe_path = tmp_path / "wider.toml"
+    recipe_path.write_text(toml_text(d))
+    code, err = export([ckpt, "--recipe", recipe_path, "--out", tmp_path / "hf"], capsys)
+    assert_one_line_error(code, err, str(recipe_path), "model.embed_tokens.weight", "[264, 32]", "[264, 48]")
+    assert not (tmp_path / "hf").exists()

@@ -150,7 +150,11 @@ def build_dataclass(cls: type, data: dict, where: str) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
-        raise RecipeError(f"{where}: {e}") from None
+        # a config's own check names its class ("Qwen3MoeConfig.head_dim"); the recipe's author wrote
+        # the section's field ("model.head_dim")
+        file, _, section = where.rpartition(": ")
+        text = str(e).replace(f"{cls.__name__}.", f"{section}.").replace(f"{cls.__name__}:", f"{section}:")
+        raise RecipeError(f"{file}: {text}" if file else f"{where}: {text}") from None
 
 
 def model_config_class(family: str) -> type:

@@ -48,12 +48,12 @@ def train_cli(tmp_path, dataset, capsys, **sections) -> tuple[int, str, str]:
 @pytest.mark.parametrize(
     "sections, field",
     [
-        ({"model": {"head_dim": 0}}, "head_dim must be > 0"),
-        ({"model": {"num_hidden_layers": 0}}, "num_hidden_layers must be > 0"),
-        ({"model": {"moe_intermediate_size": 0}}, "moe_intermediate_size must be > 0"),
-        ({"model": {"family": "deepseek_v2", "vocab_size": 264, "rope_theta": 0.0}}, "rope_theta must be > 0"),
+        ({"model": {"head_dim": 0}}, "model.head_dim must be > 0"),
+        ({"model": {"num_hidden_layers": 0}}, "model.num_hidden_layers must be > 0"),
+        ({"model": {"moe_intermediate_size": 0}}, "model.moe_intermediate_size must be > 0"),
+        ({"model": {"family": "deepseek_v2", "vocab_size": 264, "rope_theta": 0.0}}, "model.rope_theta must be > 0"),
         ({"model": {"family": "gpt_oss", "vocab_size": 264, "max_position_embeddings": 0}},
-         "max_position_embeddings must be > 0"),
+         "model.max_position_embeddings must be > 0"),
         ({"model": {"max_position_embeddings": 16}}, "model.max_position_embeddings (16) must be >= data.seq_len (32)"),
         ({"optim": {"lr": 1e-3, "min_lr": 1e-2}}, "optim.min_lr (0.01) must be <= optim.lr (0.001)"),
         ({"optim": {"lr": -1.0}}, "optim.lr must be a finite number > 0"),

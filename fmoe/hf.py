@@ -62,14 +62,14 @@ def byte_level_tokenizer_json(eos_token: str = "<|endoftext|>") -> str:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(eos_token, special=True, normalized=False)])
     if tok.token_to_id(eos_token) != BYTES_EOS:
-        raise AssertionError(
+        raise RuntimeError(
             f"byte tokenizer: {eos_token!r} got id {tok.token_to_id(eos_token)}, not {BYTES_EOS}"
         )
     return tok.to_str()
 
 
-def _tokenizer_files(tokenizer: str | os.PathLike, max_length: int) -> dict[str, str]:
-    """{file name: text} of the exported tokenizer: tokenizer.json and tokenizer_config.json.
+def _tokenizer_files(tokenizer: str | os.PathLike, max_length: int) -> dict[str, bytes]:
+    """{file name: contents} of the exported tokenizer: tokenizer.json and tokenizer_config.json.
 
     tokenizer: "bytes" (fmoe's byte ids) or the path of the Hugging Face tokenizer.json the data was
     built with (copied as it is)."""
@@ -77,18 +77,21 @@ def _tokenizer_files(tokenizer: str | os.PathLike, max_length: int) -> dict[str,
 
     if str(tokenizer) == "bytes":
         eos = "<|endoftext|>"
-        tokenizer_json = byte_level_tokenizer_json(eos)
+        tokenizer_json = byte_level_tokenizer_json(eos).encode()
     else:
         spec = load_tokenizer(tokenizer)  # FileNotFoundError / ValueError naming the file
         eos = spec.eos_token
-        tokenizer_json = Path(tokenizer).read_text()
+        tokenizer_json = Path(tokenizer).read_bytes()
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
     }
-    return {"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+    return {
+        "tokenizer.json": tokenizer_json,
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+    }
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool, protect: tuple[Path, ...]) -> None:
@@ -179,8 +182,8 @@ def export_hf(
         config = fam.hf_config(cfg)
         config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name, text in files.items():
-            (tmp / name).write_text(text)
+        for name, contents in files.items():
+            (tmp / name).write_bytes(contents)
         if out_dir.is_dir() and any(out_dir.iterdir()):
             os.replace(out_dir, old)  # only with overwrite (checked above); removed once tmp is in place
         os.replace(tmp, out_dir)  # onto a missing or empty folder

@@ -1,0 +1,425 @@
+"""The GPU tier: compiled Triton kernels against their plain-torch references at real shapes and
+ragged edges, bf16 and FP8 training steps against float32, and the SDPA attention backends.
+
+Marked ``cuda`` and skipped without a GPU (the CPU suite runs the same kernels under Triton's
+interpreter). On a GPU machine:
+
+    TRITON_INTERPRET=0 python3 -m pytest -m cuda
+
+Tolerances, from the formats: bf16 keeps 8 significant bits (a rounding is off by <= 2^-9
+relative), float32 24 (2^-24); E4M3 keeps 4 (2^-4 per quantized operand). Where a kernel and its
+reference do the same float32 operations in another order, results differ by a few float32 ulps
+before the final rounding, so a 16-bit result is within one ulp of the reference's (2^-8 relative).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BF16_ULP = 2.0**-8  # one unit in the last place of bf16, relative
+F32_EPS = 2.0**-24
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels(monkeypatch):
+    """Every test here runs the compiled kernels: not the interpreter, not the torch backend."""
+    from fmoe.kernels._triton import interpreting, use_triton
+
+    monkeypatch.delenv("FMOE_KERNEL_BACKEND", raising=False)
+    if interpreting():
+        pytest.fail("TRITON_INTERPRET=1: run the cuda tier as `TRITON_INTERPRET=0 python3 -m pytest -m cuda`")
+    assert use_triton(torch.empty(1, device="cuda"))
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references are float32, not tf32
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _randn(*shape: int, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed), device="cuda") * scale).to(dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = 1.0) -> bool:
+    """|got - want| <= ulps x one ulp of got's dtype at |want| (plus the dtype's smallest normal)."""
+    eps = torch.finfo(got.dtype).eps
+    tiny = torch.finfo(got.dtype).tiny
+    diff = (got.double() - want.double()).abs()
+    return bool(torch.all(diff <= ulps * eps * want.double().abs() + tiny))
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _ragged_offs(rows: int, experts: int, seed: int) -> torch.Tensor:
+    """Cumulative end offsets of ``experts`` groups over ``rows`` rows, with empty experts first,
+    in the middle and last, and boundaries that are not multiples of 128."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=g)
+    weights[[0, experts // 2, experts - 1]] = 0.0
+    counts = torch.floor(weights / weights.sum() * rows).long()
+    counts[1] += rows - counts.sum()
+    return torch.cumsum(counts, 0).to(torch.int32).cuda()
+
+
+def _activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 activations whose columns span 1e-6 .. 1e3, with an all-zero row."""
+    x = (
+        _randn(rows, cols, seed=seed)
+        * torch.logspace(-6, 3, cols, device="cuda")[
+            torch.randperm(cols, generator=_gen(seed + 1), device="cuda")
+        ]
+    )
+    x[1] = 0.0
+    return x.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 quantization: bitwise equal to the references
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048), (4113, 1600)], ids=["aligned", "ragged"])
+def test_quantize_act_compiled_equals_reference_bitwise(shape):
+    from fmoe.kernels import fp8_quant as fq
+
+    x = _activations(*shape, seed=1)
+    for pow2 in (False, True):
+        got, want = fq.quantize_act(x, pow2_scales=pow2), fq.quantize_act_reference(x, pow2_scales=pow2)
+        assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+
+
+def test_quantize_act_t_grouped_compiled_equals_reference_bitwise():
+    from fmoe.kernels import fp8_quant as fq
+
+    x = _activations(32768 + 77, 768, seed=2)
+    offs = _ragged_offs(x.shape[0], 128, seed=3)
+    rows, cols = fq.quantize_act_t(x, offs, with_rows=True)
+    want_rows, want_cols = fq.quantize_act_t_reference(x, offs, with_rows=True)
+    assert _bits_equal(rows.data, want_rows.data) and _bits_equal(rows.scale, want_rows.scale)
+    for field in ("data", "scale", "group_start", "group_len"):
+        assert _bits_equal(getattr(cols, field), getattr(want_cols, field)), field
+
+
+@pytest.mark.parametrize(
+    "shape", [(1536, 2048), (8, 1536, 2048), (4, 300, 520)], ids=["dense", "experts", "ragged"]
+)
+def test_quantize_weight_compiled_equals_reference_bitwise(shape):
+    from fmoe.kernels import fp8_quant as fq
+
+    w = _randn(*shape, seed=4, scale=0.02)
+    got, want = fq.quantize_weight(w), fq.quantize_weight_reference(w)
+    for field in ("data", "scale", "data_t", "scale_t"):
+        assert _bits_equal(getattr(got, field), getattr(want, field)), field
+
+
+def test_tile_map_compiled_equals_reference():
+    from fmoe.kernels import fp8_quant as fq
+
+    rows = 32768 + 77
+    offs = _ragged_offs(rows, 128, seed=5)
+    got, want = fq.tile_map(offs, rows, 128), fq.tile_map_reference(offs, rows, 128)
+    assert got.cap == want.cap
+    for field in ("expert", "row", "group_end", "first_tile", "num_tiles"):
+        assert torch.equal(getattr(got, field).long(), getattr(want, field).long()), field
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 GEMMs: against the float32 GEMM of the dequantized operands.
+# The products of E4M3 values are exact in float32; Hopper's FP8 tensor cores accumulate each
+# 128-deep block with about 14 significant bits before the kernel adds it in float32 (DeepSeek-V3,
+# section 3.3.2), so the relative error is bounded by ~2^-13, well under 2^-10.
+
+FP8_GEMM_REL = 2.0**-10
+
+
+def test_fp8_gemm_nt_dense_compiled_equals_dequantized_reference():
+    from fmoe.kernels import fp8_gemm as fg
+    from fmoe.kernels import fp8_quant as fq
+
+    for M, N, K in ((4096, 1536, 2048), (4113, 520, 1600)):
+        a = fq.quantize_act(_randn(M, K, seed=6, dtype=torch.bfloat16))
+        w = fq.quantize_weight(_randn(N, K, seed=7, scale=0.02))
+        got = fg.fp8_gemm_nt(a, w.data, w.scale, out_dtype=torch.float32)
+        want = fg.fp8_gemm_nt_reference(a, w.data, w.scale, out_dtype=torch.float32)
+        assert _rel(got, want) < FP8_GEMM_REL, (M, N, K)
+
+
+def test_fp8_grouped_gemm_forward_and_wgrad_compiled_equal_references():
+    from fmoe.kernels import fp8_gemm as fg
+    from fmoe.kernels import fp8_quant as fq
+
+    T, E, N, K = 32768 + 77, 128, 1536, 2048
+    offs = _ragged_offs(T, E, seed=8)
+    a = fq.quantize_act(_randn(T, K, seed=9, dtype=torch.bfloat16))
+    w = fq.quantize_weight(_randn(E, N, K, seed=10, scale=0.02))
+    got = fg.fp8_gemm_nt(a, w.data, w.scale, offs, out_dtype=torch.float32)
+    want = fg.fp8_gemm_nt_reference(a, w.data, w.scale, offs, out_dtype=torch.float32)
+    assert _rel(got, want) < FP8_GEMM_REL
+
+    dy = _randn(T, N, seed=11, dtype=torch.bfloat16)
+    x = _randn(T, K, seed=12, dtype=torch.bfloat16)
+    dyt, xt = fq.quantize_act_t(dy, offs), fq.quantize_act_t(x, offs)
+    got_w = fg.fp8_gemm_wgrad(dyt, xt, grouped=True, out_dtype=torch.float32)
+    want_w = fg.fp8_gemm_wgrad_reference(dyt, xt, out_dtype=torch.float32)
+    assert _rel(got_w, want_w) < FP8_GEMM_REL
+    empty = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).nonzero().flatten()
+    assert len(empty) >= 3 and torch.count_nonzero(got_w[empty]) == 0  # empty experts: zero gradients
+
+
+def test_bf16_grouped_mm_gives_zero_weight_gradients_to_empty_experts():
+    from fmoe.stages.primitives import grouped_mm_weight_grad
+
+    T, E = 4096 + 3, 16
+    offs = _ragged_offs(T, E, seed=13)
+    x = _randn(T, 256, seed=14, dtype=torch.bfloat16)
+    dy = _randn(T, 128, seed=15, dtype=torch.bfloat16)
+    got = grouped_mm_weight_grad(x, dy, offs, E)
+    want = torch.zeros(E, 128, 256, dtype=torch.float32, device="cuda")
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        want[e] = dy[start:end].float().t() @ x[start:end].float()
+        start = end
+    assert _within_ulps(got, want.to(got.dtype), ulps=2) or _rel(got, want) < BF16_ULP
+    empty = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0).nonzero().flatten()
+    assert torch.count_nonzero(got[empty]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# fused elementwise kernels: one bf16 ulp of the float32 reference
+
+
+def test_swiglu_forward_backward_and_quant_compiled_equal_references():
+    from fmoe.kernels import fp8_quant as fq
+    from fmoe.kernels import fused
+
+    h = _randn(32768 + 5, 2 * 768, seed=16, dtype=torch.bfloat16, scale=3.0)
+    da = _randn(h.shape[0], 768, seed=17, dtype=torch.bfloat16)
+    assert _within_ulps(fused.swiglu(h), fused.swiglu_reference(h).float())
+    assert _within_ulps(fused.swiglu_backward(h, da), fused.swiglu_backward_reference(h, da).float())
+    a = fused.swiglu(h)
+    q, want = fused.swiglu_quant(h), fq.quantize_act(a)
+    assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+
+
+def test_rmsnorm_forward_backward_compiled_equal_references():
+    from fmoe.kernels import fused
+
+    T, H = 8192 + 3, 2048
+    x = _randn(T, H, seed=18, dtype=torch.bfloat16, scale=4.0)
+    w = (1 + 0.1 * _randn(H, seed=19)).to(torch.bfloat16)
+    y, rstd = fused.rmsnorm(x, w, 1e-6)
+    y_ref, rstd_ref = fused.rmsnorm_reference(x, w, 1e-6)
+    assert _within_ulps(y, y_ref.float())
+    # rstd: a float32 sum of H squares in another order, then rsqrt: a few float32 ulps x log2(H)
+    assert _rel(rstd, rstd_ref) < 8 * F32_EPS * math.log2(H)
+    dy = _randn(T, H, seed=20, dtype=torch.bfloat16)
+    dx, dw = fused.rmsnorm_backward(dy, x, w, rstd)
+    dx_ref, dw_ref = fused.rmsnorm_backward_reference(dy, x, w, rstd)
+    assert _within_ulps(dx, dx_ref.float(), ulps=2)
+    # dw: a float32 sum over T tokens (partials per program), rounded once to bf16
+    assert _within_ulps(dw, dw_ref.float(), ulps=1 + T * F32_EPS / BF16_ULP)
+
+
+def test_moe_sum_and_rotary_compiled_equal_references():
+    from fmoe.kernels import fused
+
+    T, k, H = 4096, 8, 2048
+    r = _randn(T, H, seed=21, dtype=torch.bfloat16)
+    y = _randn(T, k, H, seed=22, dtype=torch.bfloat16)
+    w = torch.softmax(_randn(T, k, seed=23), -1)
+    assert _within_ulps(fused.moe_sum(r, y, w), fused.moe_sum_reference(r, y, w).float())
+    dy, dw = fused.moe_sum_backward(r, y, w)
+    dy_ref, dw_ref = fused.moe_sum_backward_reference(r, y, w)
+    assert _within_ulps(dy, dy_ref.float())
+    assert _rel(dw, dw_ref) < 4 * F32_EPS * math.sqrt(H)  # float32 dot products of H terms
+
+    x = _randn(2 * 4096, 32, 128, seed=24, dtype=torch.bfloat16)
+    angles = torch.arange(4096, device="cuda")[:, None] * 10000.0 ** (-torch.arange(64, device="cuda") / 64)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    for backward in (False, True):
+        got = fused.rotary(x, cos, sin, backward=backward)
+        assert _within_ulps(got, fused.rotary_reference(x, cos, sin, backward=backward).float())
+
+
+def test_cross_entropy_compiled_equals_reference_at_the_qwen3_vocab():
+    from fmoe.kernels import cross_entropy as ce
+
+    T, V = 4096, 151936
+    logits = _randn(T, V, seed=25, dtype=torch.bfloat16, scale=4.0).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=_gen(26), device="cuda")
+    labels[::7] = -100
+    loss = ce.cross_entropy(logits, labels)
+    (grad,) = torch.autograd.grad(loss, logits)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = ce.cross_entropy_reference(ref_logits, labels)
+    (ref_grad,) = torch.autograd.grad(ref, ref_logits)
+    # a float32 log-sum-exp over V terms, then a mean over T rows: ~eps32 x (log2 V + log2 T)
+    assert abs(loss.item() - ref.item()) <= 4 * F32_EPS * (math.log2(V) + math.log2(T)) * abs(ref.item())
+    assert _within_ulps(grad, ref_grad.float(), ulps=1)
+
+
+def test_adamw_compiled_equals_reference_bitwise():
+    from fmoe.kernels.adamw import adamw_
+
+    shapes = [(2048, 2048), (151936, 128), (128, 1536, 16), (7,)]
+    params = [_randn(*s, seed=30 + i) for i, s in enumerate(shapes)]
+    grads = [_randn(*s, seed=40 + i, dtype=torch.bfloat16) for i, s in enumerate(shapes)]
+    states = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    runs = []
+    for reference in (False, True):
+        ps = [p.clone() for p in params]
+        m, v = [s.clone() for s in states[0]], [s.clone() for s in states[1]]
+        scale = torch.tensor(0.5, device="cuda")
+        for step in (1, 2, 3):
+            adamw_(ps, grads, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                   weight_decay=0.1, grad_scale=scale, reference=reference)  # fmt: skip
+        runs.append((ps, m, v))
+    for got, want in zip(runs[0], runs[1]):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---------------------------------------------------------------------------------------------
+# permutation
+
+
+def test_expert_sort_permute_and_scatter_compiled_equal_references():
+    from fmoe.kernels import permute as pm
+
+    T, k, E, H = 32768, 8, 128, 2048
+    ids = torch.randint(0, E, (T * k,), generator=_gen(50), device="cuda")
+    ids[ids == 5] = 6  # an empty expert
+    order, counts, slot_of = pm.expert_sort(ids, E, return_inverse=True)
+    want_order, want_counts, want_slot = pm.expert_sort_reference(ids, E, return_inverse=True)
+    assert torch.equal(order, want_order) and torch.equal(counts, want_counts)
+    assert torch.equal(slot_of, want_slot)
+    x = _randn(T, H, seed=51, dtype=torch.bfloat16)
+    x_perm = pm.permute_tokens(x, order, k)
+    assert torch.equal(x_perm, x[order // k])
+    back = pm.unpermute_tokens(x_perm, order, T, k, slot_of=slot_of)
+    assert torch.equal(back.view(T, k, H), x[:, None, :].expand(T, k, H))
+    dest = torch.randperm(T, generator=_gen(52), device="cuda")
+    out = torch.empty_like(x)
+    assert torch.equal(pm.scatter_rows(x, dest, out), pm.scatter_rows_reference(x, dest, torch.empty_like(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention backends
+
+
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_sdpa_backends_match_float32_math_attention(backend):
+    from fmoe.stages.layers import causal_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, hq, hkv, s, d = 1, 32, 4, 4096, 128
+    q = _randn(b, hq, s, d, seed=60, dtype=torch.bfloat16).requires_grad_()
+    kv = [_randn(b, hkv, s, d, seed=61 + i, dtype=torch.bfloat16).requires_grad_() for i in range(2)]
+    k, v = kv
+    dout = _randn(b, hq, s, d, seed=63, dtype=torch.bfloat16)
+
+    def run(fn):
+        out = fn(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    with sdpa_kernel([getattr(SDPBackend, backend)]):
+        got = run(lambda q, k, v: causal_attention(q, k, v, d**-0.5))
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = run(
+            lambda q, k, v: F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), is_causal=True, scale=d**-0.5, enable_gqa=True
+            )
+        )
+    # bf16 inputs, float32 softmax statistics: outputs within a few bf16 roundings of float32
+    # math; the backward adds one rounding of P and dS per element: 2^-6 relative in norm
+    for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, (2**-7, 2**-6, 2**-6, 2**-6)):
+        assert _rel(g, w) < tol, (backend, name, _rel(g, w))
+
+
+# ---------------------------------------------------------------------------------------------
+# training steps
+
+
+def _gpu_model():
+    """A Qwen3-MoE small enough to step quickly, with every dim a multiple of 128 (FP8 eligible)."""
+    from fmoe.stages import qwen3_moe
+
+    cfg = qwen3_moe.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+        intermediate_size=1024, mlp_only_layers=(0,), router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    model = qwen3_moe.build(cfg)
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "tokens": torch.randint(0, cfg.vocab_size, (4, 1024), generator=gen).cuda(),
+        "labels": torch.randint(0, cfg.vocab_size, (4, 1024), generator=gen).cuda(),
+    }
+    return cfg, model, batch
+
+
+def _global_rel(got: dict, want: dict) -> float:
+    num = sum(float((got[n].double() - want[n].double()).norm() ** 2) for n in want)
+    den = sum(float(want[n].double().norm() ** 2) for n in want)
+    return math.sqrt(num / den)
+
+
+def test_bf16_training_step_matches_float32_and_is_bitwise_reproducible():
+    from fmoe import runner
+
+    cfg, model, batch = _gpu_model()
+    p32 = model.init(seed=0, dtype=torch.float32, device="cuda")
+    p16 = {n: t.to(torch.bfloat16) for n, t in p32.items()}
+    ref = runner.run_sequential(model, {n: t.float() for n, t in p16.items()}, batch, num_microbatches=2)
+    got = runner.run_sequential(model, p16, batch, num_microbatches=2)
+    again = runner.run_sequential(model, p16, batch, num_microbatches=2)
+    assert torch.equal(got.loss, again.loss)
+    assert all(torch.equal(got.grads[n], again.grads[n]) for n in got.grads)
+    # bf16 activations: each of the ~10 roundings a value passes through per layer adds <= 2^-9;
+    # near-tied router scores may pick another expert for a few tokens. 2^-7 on the loss, 2^-4 on
+    # the gradients (as one vector) leaves room for both and still catches a wrong kernel.
+    assert abs(got.loss.item() - ref.loss.item()) < 2**-7 * ref.loss.item()
+    assert _global_rel(got.grads, ref.grads) < 2**-4
+
+
+def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypatch):
+    from fmoe.kernels import fp8_linear
+    from fmoe.stages.primitives import fp8_training
+
+    from fmoe import runner
+
+    cfg, model, batch = _gpu_model()
+    p32 = model.init(seed=0, dtype=torch.float32, device="cuda")
+    p16 = {n: t.to(torch.bfloat16) for n, t in p32.items()}
+    bf16 = runner.run_sequential(model, p16, batch, num_microbatches=2)
+    launches = []
+    real = fp8_linear.fp8_gemm_nt
+
+    def counting(a, *args, **kwargs):
+        launches.append(a.data.is_cuda)
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "fp8_gemm_nt", counting)
+    with fp8_training():
+        fp8 = runner.run_sequential(model, p16, batch, num_microbatches=2)
+    assert launches and all(launches), "no FP8 GEMM ran on the GPU"
+    # E4M3 operands are off by <= 2^-4 relative each; over sums of hundreds of terms the errors
+    # average (random signs), and the loss moves by far less than one rounding: 2^-6 on the loss,
+    # 2^-2 on the gradients as one vector.
+    assert abs(fp8.loss.item() - bf16.loss.item()) < 2**-6 * bf16.loss.item()
+    assert _global_rel(fp8.grads, bf16.grads) < 2**-2

@@ -12,7 +12,9 @@ the RNG state (``checkpoint.restore_rng``) would not be bitwise equal.
 
 The full disk is a real tmpfs of a few hundred KiB and the read-only folder a real read-only bind
 mount when this process may mount (root); otherwise the disk-full error is injected (an OSError
-ENOSPC from the tensor writer) and the folder is made read-only by chmod (which binds non-root users).
+ENOSPC from the tensor writer) and the folder is made read-only by chmod (which binds non-root
+users), or, for root without mount rights, placed below a plain file. FMOE_TEST_NO_MOUNT=1 takes
+the fallbacks.
 """
 
 from __future__ import annotations
@@ -258,7 +260,9 @@ def strict_json_lines(path: Path) -> list[dict]:
 
 
 def _mount(*args: str) -> bool:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
+    """Run mount(8); False where this process may not (not root, no CAP_SYS_ADMIN, or
+    FMOE_TEST_NO_MOUNT=1 set to exercise the fallbacks)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None or os.environ.get("FMOE_TEST_NO_MOUNT") == "1":
         return False
     return subprocess.run(["mount", *args], capture_output=True).returncode == 0
 
@@ -369,12 +373,15 @@ def test_sigkills_a_flipped_bit_a_full_disk_and_a_read_only_folder_resume_bitwis
                     rc, out = server.run(argv)
                 finally:
                     _umount(ckpt)
-            else:
+            elif os.geteuid() != 0:  # chmod binds every user but root
                 ckpt.chmod(0o555)
                 try:
                     rc, out = server.run(argv)
                 finally:
                     ckpt.chmod(0o755)
+            else:  # root that may not mount: a folder below a plain file, where no write succeeds
+                (root / "a-file").write_text("not a folder")
+                rc, out = server.run(argv_for(dataset, root, ckpt=root / "a-file" / "ckpt"))
             lines = out.strip().splitlines()
             assert (
                 rc == 2 and len(lines) == 1 and "checkpoint.dir" in lines[0] and "not writable" in lines[0]

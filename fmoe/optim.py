@@ -66,9 +66,11 @@ class GradientTransformation(NamedTuple):
     """``init(params) -> state``; ``update(updates, state, params) -> (updates, state)``.
 
     ``step`` (optional) is a fused ``update`` + :func:`apply_updates`:
-    ``step(grads, state, params, grad_scale=None) -> (params, state)``, allowed to write into the
-    parameter tensors; ``grad_scale`` (None, or a 0-d float32 tensor on the device) means "the
-    gradients are ``grads * grad_scale``". Use :func:`step` rather than calling the field, it falls
+    ``step(grads, state, params, grad_scale=None, found_inf=None) -> (params, state)``, allowed to
+    write into the parameter tensors; ``grad_scale`` (None, or a 0-d float32 tensor on the device)
+    means "the gradients are ``grads * grad_scale``"; ``found_inf`` (None, or a 0-d float32 tensor on
+    the device, 1.0 or 0.0) set to 1.0 means "skip this step": no parameter and no moment changes,
+    decided on the device (no host sync). Use :func:`step` rather than calling the field, it falls
     back to update + apply when absent.
 
     ``factor`` (optional) is for a transformation whose ``update`` only multiplies every update by
@@ -87,11 +89,17 @@ class GradientTransformation(NamedTuple):
 # composition and application
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
+def chain(*transforms: GradientTransformation, skip_nonfinite: bool = False) -> GradientTransformation:
     """Compose transformations left to right: ``chain(clip_by_global_norm(1.0), adamw(...))``.
 
     The chain's state is the union of its members' state dicts; ``init`` raises ValueError naming a
     key two members both keep. ``update`` threads the one dict through the members in order.
+
+    skip_nonfinite: the fused step skips itself (``found_inf``: no parameter or moment changes, the
+    step is not counted) when a member's factor is not finite - ``clip_by_global_norm``'s is NaN for
+    a NaN or infinite gradient norm. Decided on the device, except for tensors on fmoe's own AdamW
+    kernel (CUDA, fp32 params with grads of another dtype), which has no skip flag yet: the skip
+    then costs one host sync per step.
     """
     if not transforms:
         raise ValueError("chain: needs at least one transformation")
@@ -117,20 +125,27 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     @torch.no_grad()
     def step_(
-        grads: Params, state: State, params: Params, grad_scale: Tensor | None = None
+        grads: Params,
+        state: State,
+        params: Params,
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
     ) -> tuple[Params, State]:
         # A member with a factor only scales: keep its scalar pending and hand it to the last
         # member's fused step, which folds it into its own pass over the gradients. A pending
         # scale is applied to the gradients only before a member that has to read them scaled.
+        # skip_nonfinite: a non-finite factor (the clip's, for a NaN or infinite norm) skips the step.
         pending = grad_scale
         for tx in transforms[:-1]:
             if pending is not None:
                 grads, pending = scale_updates(grads, pending), None
             if tx.factor is not None:
                 pending, state = tx.factor(grads, state, params)
+                if skip_nonfinite and pending is not None:
+                    found_inf = _skip_if_nonfinite(pending, found_inf)
             else:
                 grads, state = tx.update(grads, state, params)
-        return step(transforms[-1], grads, state, params, grad_scale=pending)
+        return step(transforms[-1], grads, state, params, grad_scale=pending, found_inf=found_inf)
 
     return GradientTransformation(init, update, step_)
 
@@ -160,17 +175,23 @@ def step(
     params: Params,
     *,
     grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> tuple[Params, State]:
     """One optimizer step: ``(new params, new state)``; the training loop's entry point.
 
     Writes into the tensors of ``params`` (and of ``grads`` and ``state``): hold no other reference
     to their old values. Uses ``tx.step`` when the transformation has a fused one. grad_scale: None
     or a 0-d float32 tensor the gradients are to be multiplied by (folded into the fused step).
+    found_inf: None or a 0-d float32 tensor; 1.0 skips the step (params and moments unchanged; on
+    the device for fused steps, a host sync for the update + apply fallback).
     """
     if tx.step is not None:
-        if grad_scale is None:
-            return tx.step(grads, state, params)
-        return tx.step(grads, state, params, grad_scale=grad_scale)
+        kwargs = {} if grad_scale is None else {"grad_scale": grad_scale}
+        if found_inf is not None:
+            kwargs["found_inf"] = found_inf
+        return tx.step(grads, state, params, **kwargs)
+    if found_inf is not None and bool(found_inf):
+        return params, state
     if grad_scale is not None:
         grads = scale_updates(grads, grad_scale)
     updates, state = tx.update(grads, state, params)
@@ -220,6 +241,9 @@ def clip_by_global_norm(
             sq = sq_norm_reduce(sq)
         norm = sq.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        # an infinite norm would give a finite 0 scale and inf * 0 = NaN updates: make the scale
+        # NaN for any non-finite norm, which chain's fused step reads as "skip this step"
+        scale = torch.where(torch.isfinite(norm), scale, torch.full_like(scale, math.nan))
         return scale, {**state, "grad_norm": norm}
 
     @torch.no_grad()
@@ -295,13 +319,19 @@ def adamw(
 
     @torch.no_grad()
     def step_(
-        grads: Params, state: State, params: Params, grad_scale: Tensor | None = None
+        grads: Params,
+        state: State,
+        params: Params,
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
     ) -> tuple[Params, State]:
         _check_same_keys(params, grads, "grads")
         count = state["step"]
         lr_t = lr(count) if callable(lr) else float(lr)
         count = count + 1  # the kernels read the 1-based step for the bias corrections
         names = [n for n, p in params.items() if p.numel() > 0]  # the fused kernel rejects empty tensors
+        if found_inf is not None:
+            found_inf = found_inf.to(device=count.device, dtype=torch.float32)
         # fp32 params whose grads come in another dtype or are to be scaled: fmoe's kernel, which
         # reads the grads as they are and folds the scale in (no copy, no scaling pass). The plain
         # case keeps torch's fused kernel: it is torch.optim.AdamW(fused=True) by construction, and
@@ -311,6 +341,8 @@ def adamw(
         # plain step without a clip; taking it for large plain tensors would gain little.)
         own = [n for n in names if _own_kernel(params[n], grads[n], state, n, grad_scale)]
         mine = set(own)
+        if own and found_inf is not None and bool(found_inf):  # fmoe's kernel has no skip flag: a sync
+            own = []
         for (device, _dtype), group in _group(params, own).items():
             lr_dev = lr_t.to(device=device, dtype=torch.float32) if isinstance(lr_t, Tensor) else lr_t
             scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
@@ -354,7 +386,10 @@ def adamw(
                     eps=eps,
                     amsgrad=False,
                     maximize=False,
+                    found_inf=None if found_inf is None else found_inf.to(device),
                 )
+        if found_inf is not None:  # a skipped step is not counted (the schedule does not advance)
+            count = count - found_inf
         return params, {**state, "step": count}
 
     @torch.no_grad()
@@ -557,6 +592,12 @@ def _to_dtype(grads: list[Tensor], params: list[Tensor]) -> list[Tensor]:
         for i, piece in zip(idx, flat.split([grads[i].numel() for i in idx])):
             out[i] = piece.view(grads[i].shape)
     return out
+
+
+def _skip_if_nonfinite(scale: Tensor, found_inf: Tensor | None) -> Tensor:
+    """found_inf (0-d float32, 1.0 = skip) raised to 1.0 when ``scale`` is not finite (no sync)."""
+    bad = (~torch.isfinite(scale)).to(torch.float32)
+    return bad if found_inf is None else torch.maximum(found_inf.to(bad.device, torch.float32), bad)
 
 
 def _check_same_keys(params: Mapping[str, Tensor], other: Mapping[str, Tensor], what: str) -> None:

@@ -77,11 +77,20 @@ def layout(
 def shard_canonical(
     full: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh
 ) -> dict[str, Tensor]:
-    """This rank's flat shards of canonical full tensors (experts: slice this ep rank's first)."""
+    """This rank's flat shards of canonical full tensors (experts: slice this ep rank's first).
+
+    ValueError naming the tensor when a full tensor's shape is not the canonical one of ``infos``
+    (a tensor of another size would otherwise be flattened and padded into nonsense)."""
     out = {}
     for name, info in infos.items():
         t = full[name]
-        if is_expert_param(name) and mesh.ep > 1:
+        expert_sliced = is_expert_param(name) and mesh.ep > 1
+        want = (info.full_shape[0] * mesh.ep, *info.full_shape[1:]) if expert_sliced else info.full_shape
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(t.shape)}, the model's layout needs {tuple(want)}"
+            )
+        if expert_sliced:
             lo, hi = expert_range(t.shape[0], mesh.ep, mesh.coords["ep"])
             t = t[lo:hi]
         flat = t.reshape(-1)

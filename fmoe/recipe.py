@@ -45,6 +45,8 @@ class TrainConfig:
     device: str = "auto"  # auto, cpu or cuda
     fp8: bool = False
     fp8_dense: bool = True  # with fp8: the attention projections in FP8 too (False: experts only)
+    # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run
+    max_nonfinite_steps: int = 10
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ def validate(recipe: Recipe) -> None:
         ("train.steps", t.steps),
         ("train.global_batch", t.global_batch),
         ("train.microbatches", t.microbatches),
+        ("train.max_nonfinite_steps", t.max_nonfinite_steps),
     ]
     positive += [("data.seq_len", recipe.data.seq_len), ("checkpoint.every", recipe.checkpoint.every)]
     positive += [("checkpoint.keep", recipe.checkpoint.keep), ("log.every", recipe.log.every)]

@@ -5,8 +5,18 @@
     interpreter / expert-parallel step when the recipe's sizes ask for them), one optimizer step
     on the fp32 masters, log, checkpoint.
 
-Resuming is automatic: the latest checkpoint under ``checkpoint.dir`` restores params, optimizer
-state, step, data cursor and RNG, so N steps + resume + N steps equals 2N straight, bitwise.
+Resuming is automatic: the newest intact checkpoint under ``checkpoint.dir`` restores params,
+optimizer state, step, data cursor and RNG, so N steps + resume + N steps equals 2N straight,
+bitwise, also after a SIGKILL at any point (checkpoint writes are atomic; what a killed writer left
+is tidied at start). Before any step: checkpoint.dir and log.dir must be writable, a corrupt newest
+checkpoint (checksums) falls back to the newest intact one with a warning, and a checkpoint whose
+tensor shapes differ from the recipe's model is refused with one line naming the tensor.
+
+Non-finite steps: a step whose loss or global gradient norm is NaN or infinite is skipped (no
+parameter or optimizer state changes, decided on the device) and counted (``skipped_steps`` in the
+metrics); ``train.max_nonfinite_steps`` skipped steps in a row stop the run with one line
+(:class:`NonFiniteError`). So no checkpoint ever holds a non-finite tensor (``checkpoint.save``
+refuses one too), and a transient bad batch does not end a run.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,9 +44,16 @@ from fmoe.recipe import Recipe, RecipeError
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
 
 
+class NonFiniteError(ValueError):
+    """Too many steps in a row had a non-finite loss or gradient norm (a ValueError: the CLI reports
+    it as one line); no update of those steps was applied and no checkpoint holds their values."""
+
+
 @dataclass
 class TrainResult:
-    """losses: each step's loss (this run's steps only); params: final fp32 masters; step: steps done."""
+    """losses: each step's loss (this run's steps only); params: final fp32 masters; step: steps done;
+    skipped_steps: steps whose update was skipped for a non-finite loss or gradient norm (the whole
+    run's, resumed runs included)."""
 
     losses: list[float] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
@@ -43,6 +61,7 @@ class TrainResult:
     tokens_per_second: float = 0.0
     wall_seconds: float = 0.0
     checkpoint: str | None = None
+    skipped_steps: int = 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -65,6 +84,7 @@ def make_optimizer(recipe: Recipe, shapes: dict) -> tuple[optim.GradientTransfor
     tx = optim.chain(
         optim.clip_by_global_norm(o.clip, sq_norm_reduce=parallel.world_sq_norm),
         optim.adamw(lr, o.b1, o.b2, o.eps, o.weight_decay, mask={n: len(s) >= 2 for n, s in shapes.items()}),
+        skip_nonfinite=True,  # a NaN / infinite gradient norm skips the step (train() counts it)
     )
     return tx, lr
 
@@ -142,10 +162,13 @@ def check_dataset_tokenizer(recipe: Recipe) -> None:
 
 
 class MetricsLog:
-    """Metrics as JSON lines, and to TensorBoard when it is installed."""
+    """Metrics as JSON lines (strict JSON: a non-finite number is written as null), and to
+    TensorBoard when it is installed. A partial last line (a run killed mid-write) is cut off when
+    the file is opened again, so every line parses."""
 
     def __init__(self, folder: Path):
         folder.mkdir(parents=True, exist_ok=True)
+        _cut_partial_last_line(folder / "metrics.jsonl")
         self.file = open(folder / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -155,7 +178,8 @@ class MetricsLog:
             self.tb = None
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        safe = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.file.write(json.dumps(safe, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():
@@ -166,6 +190,88 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _cut_partial_last_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline when it does not end with one."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = end
+        while pos > 0:  # scan back block by block for the last newline
+            start = max(0, pos - (64 << 10))
+            f.seek(start)
+            cut = f.read(pos - start).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
+def _warn(message: str) -> None:
+    print(f"fmoe: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_writable(folder: str, field_name: str, where: str) -> None:
+    """Create ``folder`` and a probe file in it, so a read-only folder is an error before any compute
+    rather than at the first save (os.access does not tell for root or every filesystem)."""
+    path = Path(folder)
+    probe = path / f".tmp-write-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"fmoe")
+        probe.unlink()
+    except OSError as e:
+        raise RecipeError(
+            f"{where}: {field_name} {str(folder)!r} is not writable ({type(e).__name__}: {e.strerror or e})"
+        ) from None
+
+
+def _resume_point(recipe: Recipe) -> Path | None:
+    """Rank 0, before any compute: check the output folders, tidy what a killed run left, and pick
+    the newest checkpoint whose checksums verify (a warning names a corrupt newer one)."""
+    where = recipe.path or "recipe"
+    _check_writable(recipe.checkpoint.dir, "checkpoint.dir", where)
+    _check_writable(recipe.log.dir, "log.dir", where)
+    ckpt_dir = Path(recipe.checkpoint.dir)
+    for line in checkpoint.clean_temp(ckpt_dir):
+        _warn(f"an interrupted run's leftovers: {line}")
+    if not recipe.checkpoint.resume:
+        return None
+    chosen, rejected = checkpoint.newest_intact(ckpt_dir)
+    if rejected and chosen is None:
+        raise checkpoint.CorruptCheckpointError(
+            f"no intact checkpoint under {ckpt_dir} (newest: {rejected[0][1]}); "
+            f"move the folder away to start afresh"
+        )
+    for bad, reason in rejected:
+        _warn(f"checkpoint {bad} is corrupt ({reason}); resuming from {chosen}, the newest intact one")
+    return chosen
+
+
+def _agree_on_resume_point(recipe: Recipe, mesh) -> Path | None:
+    """``_resume_point`` on rank 0, its answer (or its error, raised everywhere) on every rank."""
+    chosen, error = None, None
+    if mesh.rank == 0:
+        try:
+            chosen = _resume_point(recipe)
+        except (ValueError, OSError) as e:
+            error = e
+    if mesh.world > 1:
+        box = [None if chosen is None else str(chosen), None if error is None else str(error)]
+        dist.broadcast_object_list(box, src=0)
+        chosen = None if box[0] is None else Path(box[0])
+        if error is None and box[1] is not None:
+            raise ValueError(box[1])
+    if error is not None:
+        raise error
+    return chosen
 
 
 def _setup_mesh(recipe: Recipe):
@@ -258,6 +364,7 @@ def train(
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.train.dtype]
     torch.manual_seed(recipe.train.seed)
+    resume_from = _agree_on_resume_point(recipe, mesh)
 
     if lead:
         ensure_dataset(recipe)
@@ -278,15 +385,18 @@ def train(
     local = pipeline.local_param_names(model, table, rank=mesh.coords["pp"]) if table is not None else names
     infos = parallel.layout(model, mesh, shapes, local)
     tx, lr_schedule = make_optimizer(recipe, shapes)
-    step, cursor = 0, 0
+    step, cursor, skipped_total, streak = 0, 0, 0, 0
     ckpt_dir = Path(recipe.checkpoint.dir)
-    latest = checkpoint.latest(ckpt_dir) if recipe.checkpoint.resume else None
+    latest = resume_from
     if latest is None:
         full = model.init(seed=recipe.train.seed, dtype=torch.float32)
         shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
         state = tx.init(shards)
     else:
-        full, opt_flat, trainer_state = checkpoint.load(latest, expected_keys=names)
+        moments = {f"{kind}/{n}": s for n, s in shapes.items() for kind in ("exp_avg", "exp_avg_sq")}
+        full, opt_flat, trainer_state = checkpoint.load(
+            latest, expected_shapes=shapes, expected_optim_shapes=moments, check_integrity=False
+        )  # rank 0 verified the checksums in _resume_point
         shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
         if not opt_flat:  # weights only (``fmoe checkpoint import-hf``): a fresh optimizer
             state = tx.init(shards)
@@ -297,11 +407,13 @@ def train(
                 raise ValueError(f"{latest}: optimizer state does not fit the model ({e})") from None
         step = int(trainer_state["step"])
         cursor = int(trainer_state.get("data_cursor", 0))
+        skipped_total = int(trainer_state.get("skipped_steps", 0))
+        streak = int(trainer_state.get("nonfinite_streak", 0))
         if "rng" in trainer_state:
             checkpoint.restore_rng(trainer_state["rng"])
     del full
 
-    result = TrainResult(step=step)
+    result = TrainResult(step=step, skipped_steps=skipped_total)
     log = MetricsLog(Path(recipe.log.dir)) if lead else None
     tokens_per_step = global_batch * seq
     stream = data.batches(
@@ -325,7 +437,8 @@ def train(
         peak *= mesh.world
     last_steps = recipe.train.steps if stop_after is None else min(recipe.train.steps, step + stop_after)
     progress = _progress(recipe if lead else None, step, last_steps)
-    pending: list[tuple[int, Tensor]] = []
+    pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss, skipped) as device tensors
+    last_skipped = False
     window_t, window_steps = time.perf_counter(), 0
 
     def save(at: int) -> str | None:
@@ -333,7 +446,8 @@ def train(
         opt_full = _opt_canonical(state, infos, mesh, names)
         path, error = None, None
         if lead:
-            trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng()}
+            trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng(),
+                             "skipped_steps": skipped_total, "nonfinite_streak": streak}  # fmt: skip
             try:
                 path = str(
                     checkpoint.save(
@@ -360,28 +474,47 @@ def train(
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
                 fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
             )  # fmt: skip
-            shards, state = optim.step(tx, grads, state, shards)
+            # a non-finite loss or gradient norm skips the update on the device (no host sync)
+            bad_loss = (~torch.isfinite(loss)).float()
+            norm_before = state["grad_norm"]
+            shards, state = optim.step(tx, grads, state, shards, found_inf=bad_loss)
+            skipped = (bad_loss > 0) | ~torch.isfinite(state["grad_norm"])
+            # the state keeps the last finite norm: checkpoints never hold a non-finite tensor
+            state = {**state, "grad_norm": torch.where(skipped, norm_before, state["grad_norm"])}
             step += 1
             window_steps += 1
-            pending.append((step, loss))
-            if step % recipe.log.every == 0 or step == last_steps:
-                losses = torch.stack([v for _, v in pending]).tolist()  # one host sync per log interval
-                for (s, _), value in zip(pending, losses):
+            pending.append((step, loss, skipped))
+            log_now = step % recipe.log.every == 0 or step == last_steps
+            if log_now or step % recipe.checkpoint.every == 0:
+                # one host sync per log interval or checkpoint: losses and skip flags together
+                values = torch.stack([v.float() for _, v, _ in pending] + [k.float() for *_, k in pending])
+                values = values.tolist()
+                losses, flags = values[: len(pending)], values[len(pending) :]
+                for (s, _, _), value, flag in zip(pending, losses, flags):
                     result.losses.append(value)
                     if on_step is not None:
                         on_step(s, value)
-                    if not math.isfinite(value):
-                        raise FloatingPointError(
-                            f"step {s}: loss is {value}; stopping before it reaches a checkpoint"
+                    last_skipped = flag > 0
+                    streak = streak + 1 if last_skipped else 0
+                    skipped_total += int(last_skipped)
+                    if streak >= recipe.train.max_nonfinite_steps:
+                        raise NonFiniteError(
+                            f"step {s}: {streak} steps in a row had a non-finite loss or gradient norm "
+                            f"(loss {value}); their updates were skipped and none reached a checkpoint "
+                            f"(train.max_nonfinite_steps = {recipe.train.max_nonfinite_steps}): lower "
+                            f"optim.lr or check the data"
                         )
                 pending.clear()
+                result.skipped_steps = skipped_total
+            if log_now:
                 elapsed = time.perf_counter() - window_t
                 tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
                 record = {
                     "step": step,
                     "loss": losses[-1],
-                    "lr": lr_schedule(step - 1),
-                    "grad_norm": float(state["grad_norm"]) if "grad_norm" in state else None,
+                    "lr": lr_schedule(max(int(state["step"]) - 1, 0)),  # the last applied step's
+                    "grad_norm": None if last_skipped else float(state["grad_norm"]),
+                    "skipped_steps": skipped_total,
                     "tokens_per_s": tps,
                 }
                 if peak:

@@ -147,3 +147,65 @@ def test_rng_states_survive_a_json_round_trip(tmp_path):
     assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
     with pytest.raises(ValueError, match="numpy"):
         checkpoint.restore_rng({**state, "numpy": {"kind": "MT19937"}})
+
+
+@pytest.mark.parametrize("name", [checkpoint.MODEL, checkpoint.OPTIM, checkpoint.TRAINER])
+def test_a_flipped_bit_in_any_file_fails_the_checksum_naming_the_file(tmp_path, name):
+    params = _params()
+    path = checkpoint.save(tmp_path, 1, params, _opt_flat(params), {"data_cursor": 5})
+    assert checkpoint.verify(path)
+    raw = bytearray((path / name).read_bytes())
+    raw[len(raw) - 3] ^= 0x04
+    (path / name).write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CorruptCheckpointError, match=name) as err:
+        checkpoint.load(path)
+    assert "\n" not in str(err.value)
+    assert checkpoint.newest_intact(tmp_path) == (None, [(path, str(err.value))])
+
+
+def test_newest_intact_skips_a_corrupt_newest_checkpoint(tmp_path):
+    older = checkpoint.save(tmp_path, 1, _params(1), {}, {})
+    newest = checkpoint.save(tmp_path, 2, _params(2), {}, {})
+    (newest / checkpoint.MODEL).write_bytes((newest / checkpoint.MODEL).read_bytes()[:-1] + b"\x7f")
+    chosen, rejected = checkpoint.newest_intact(tmp_path)
+    assert chosen == older and [p for p, _ in rejected] == [newest]
+
+
+def test_clean_temp_removes_partial_folders_and_puts_back_a_step_moved_aside(tmp_path):
+    kept = checkpoint.save(tmp_path, 5, _params(1), {}, {"v": "old"})
+    kept.rename(tmp_path / ".tmp-old-step_00000005-0123abcd")  # killed between the two renames
+    (tmp_path / ".tmp-step_00000006-99-deadbeef").mkdir()
+    (tmp_path / ".tmp-drop-step_00000001-feedf00d").mkdir()
+    done = checkpoint.clean_temp(tmp_path)
+    assert len(done) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["step_00000005"]
+    assert checkpoint.load(tmp_path / "step_00000005")[2]["v"] == "old"
+
+
+def test_non_finite_tensors_are_never_saved(tmp_path):
+    params = _params()
+    params["layers.0.norm.scale"] = torch.tensor([1.0, float("nan"), 1.0, 1.0])
+    with pytest.raises(ValueError, match=r"params\['layers.0.norm.scale'\] holds non-finite"):
+        checkpoint.save(tmp_path, 1, params, {}, {})
+    with pytest.raises(ValueError, match=r"opt_state_flat\['exp_avg/x'\] holds non-finite"):
+        checkpoint.save(tmp_path, 1, _params(), {"exp_avg/x": torch.tensor([float("inf")])}, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shapes_that_differ_from_the_expected_ones_are_named(tmp_path):
+    path = checkpoint.save(tmp_path, 1, _params(), {}, {})
+    shapes = {n: tuple(t.shape) for n, t in _params().items()} | {"embed.weight": (11, 8)}
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'embed.weight' has shape \(11, 4\) in the checkpoint, the recipe needs \(11, 8\)",
+    ):
+        checkpoint.load(path, expected_shapes=shapes)
+
+
+def test_shard_canonical_refuses_a_tensor_of_another_shape():
+    from fmoe.mesh import build_mesh
+    from fmoe.parallel import ShardInfo, shard_canonical
+
+    infos = {"w": ShardInfo((4, 8), "dp_cp_ep", 1, 0)}
+    assert shard_canonical({"w": torch.ones(4, 8)}, infos, build_mesh(1, 1, 1, 1))["w"].shape == (32,)
+    with pytest.raises(ValueError, match=r"tensor 'w' has shape \(4, 4\), the model's layout needs \(4, 8\)"):
+        shard_canonical({"w": torch.ones(4, 4)}, infos, build_mesh(1, 1, 1, 1))

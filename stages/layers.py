@@ -171,16 +171,26 @@ def gqa_attention(
     rope_theta: float,
     eps: float,
     cp_group=None,
+    *,
+    q_b: Tensor | None = None,
+    k_b: Tensor | None = None,
+    v_b: Tensor | None = None,
+    o_b: Tensor | None = None,
 ) -> Tensor:
     """Grouped-query self-attention with optional per-head QK RMSNorm and rotary positions.
 
     x: [b, s, H] (already normed), positions: [b, s] or [s] int64 -> [b, s, H]. With a context-
     parallel group, x holds this rank's share of the sequence and positions ([s]) say where it sits.
+    q_b/k_b/v_b/o_b: optional projection biases ([heads*d] / [kv_heads*d] / [H]), added before the
+    QK norm and after the output projection (Hugging Face's ``attention_bias``).
     """
     b, s, _ = x.shape
-    q = linear(x, q_w).view(b, s, num_heads, head_dim)
-    k = linear(x, k_w).view(b, s, num_kv_heads, head_dim)
-    v = linear(x, v_w).view(b, s, num_kv_heads, head_dim)
+
+    def proj(w: Tensor, bias: Tensor | None, heads: int) -> Tensor:
+        y = linear(x, w)
+        return (y if bias is None else y + bias).view(b, s, heads, head_dim)
+
+    q, k, v = proj(q_w, q_b, num_heads), proj(k_w, k_b, num_kv_heads), proj(v_w, v_b, num_kv_heads)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
     cos, sin = rotary_cos_sin(positions, head_dim, rope_theta, x.dtype)
@@ -192,7 +202,8 @@ def gqa_attention(
         from fmoe.stages.context_parallel import causal_attention_cp
 
         out = causal_attention_cp(q, k, v, positions, head_dim**-0.5, cp_group)
-    return linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
+    out = linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
+    return out if o_b is None else out + o_b
 
 
 def top_k_router(

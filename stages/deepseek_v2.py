@@ -223,11 +223,11 @@ def check_rope_scaling(rs: Mapping | None, where: str) -> dict | None:
     rs = dict(rs)
     if "type" in rs:
         rs.setdefault("rope_type", rs.pop("type"))
+    unknown = sorted(set(rs) - set(YARN_KEYS))
+    if unknown:  # checked for "default" too: a key such as partial_rotary_factor changes plain RoPE
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(YARN_KEYS)})")
     if rs.get("rope_type") == "default":
         return None
-    unknown = sorted(set(rs) - set(YARN_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(YARN_KEYS)})")
     if rs.get("rope_type") != "yarn":
         raise ValueError(f"{where}.rope_type must be 'yarn' (or 'default'), got {rs.get('rope_type')!r}")
     for key in ("factor", "original_max_position_embeddings"):

@@ -46,7 +46,11 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Qwen3MoeConfig:
-    """Fields named as in Hugging Face's ``Qwen3MoeConfig``; defaults give a tiny CPU model."""
+    """Fields named as in Hugging Face's ``Qwen3MoeConfig``; defaults give a tiny CPU model.
+
+    rope_scaling: None (plain RoPE) or a YaRN table (transformers' ``rope_parameters`` without
+    ``rope_theta``; see fmoe.stages.deepseek_v2.check_rope_scaling).
+    """
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -68,15 +72,25 @@ class Qwen3MoeConfig:
     initializer_range: float = 0.02
     max_position_embeddings: int = 32768
     attention_bias: bool = False  # q/k/v/o projection biases
+    rope_scaling: dict | None = None
     # fmoe training settings (not Hugging Face config fields; hf_config leaves them out)
     moe_capacity_factor: float | None = None  # None: dropless
     moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing bias (DeepSeek-V3)
 
     def __post_init__(self) -> None:
+        from fmoe.stages import deepseek_v2  # YaRN lives there; it imports this module
+
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(
+            self,
+            "rope_scaling",
+            deepseek_v2.check_rope_scaling(self.rope_scaling, "Qwen3MoeConfig.rope_scaling"),
+        )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("head_dim", "mlp_only_layers", "moe_capacity_factor") or isinstance(value, bool):
+            if f.name in ("head_dim", "mlp_only_layers", "moe_capacity_factor", "rope_scaling") or isinstance(
+                value, bool
+            ):
                 continue
             if isinstance(value, int | float) and value < 0:
                 raise ValueError(f"Qwen3MoeConfig.{f.name} must be >= 0, got {value}")
@@ -166,6 +180,7 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
         cfg.rms_norm_eps,
         cp_group=ctx.group("cp"),
         **_attention_biases(cfg, p),
+        **_scaled_rotary(cfg),
     )
     h1 = h + a
     x = layers.rms_norm(h1, p["post_attention_layernorm.weight"], cfg.rms_norm_eps).reshape(
@@ -193,6 +208,17 @@ def _attention_biases(cfg: Qwen3MoeConfig, p: Params) -> dict[str, Tensor]:
     if not cfg.attention_bias:
         return {}
     return {f"{n}_b": p[f"self_attn.{n}_proj.bias"] for n in "qkvo"}
+
+
+def _scaled_rotary(cfg: Qwen3MoeConfig) -> dict:
+    """layers.gqa_attention's rotary keywords under rope_scaling (YaRN's frequencies and cos/sin
+    factor, as transformers computes them); none for plain RoPE."""
+    if cfg.rope_scaling is None:
+        return {}
+    from fmoe.stages import deepseek_v2  # it imports this module
+
+    inv_freq, factor = deepseek_v2.rotary_inv_freq(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    return {"rotary_inv_freq": inv_freq, "rotary_scale": factor}
 
 
 def dispatch(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
@@ -402,6 +428,7 @@ HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 SUPPORTS_CONTEXT_PARALLEL = True  # attn passes ctx.group("cp") to the attention and the aux loss
 HF_MODEL_TYPE = "qwen3_moe"
 FMOE_ONLY_FIELDS = ("moe_capacity_factor", "moe_router_bias_update_rate")
+_ROPE_FIELDS = ("rope_theta", "rope_scaling")  # written and read as transformers' rope_parameters
 
 # metadata every family's config.json may carry: names, versions, storage dtype, special-token ids
 # (pad_token_id only sets nn.Embedding's padding_idx, i.e. that row's init), generation/output flags,
@@ -439,9 +466,9 @@ HF_HONOURED_FIELDS = frozenset(
         "intermediate_size",
         "norm_topk_prob",
         "rms_norm_eps",
-        "rope_parameters",  # transformers 5: rope_type must be "default"
+        "rope_parameters",  # transformers 5: rope_type "default" or "yarn"
         "rope_theta",  # transformers 4 / the hub
-        "rope_scaling",  # transformers 4 / the hub: null or type "default"
+        "rope_scaling",  # transformers 4 / the hub: null or yarn
         "decoder_sparse_step",
         "mlp_only_layers",
         "tie_word_embeddings",
@@ -472,7 +499,6 @@ HF_DEFAULTS = {
     "initializer_range": 0.02,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
-    "rope_theta": 10000.0,
     "attention_bias": False,
     "decoder_sparse_step": 1,
     "moe_intermediate_size": 768,
@@ -482,6 +508,7 @@ HF_DEFAULTS = {
     "router_aux_loss_coef": 0.001,
     "mlp_only_layers": (),
 }
+HF_DEFAULT_ROPE_THETA = 10000.0
 # buffers some checkpoints carry that the config fully determines (recomputed, never read)
 HF_DERIVED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -665,61 +692,31 @@ def _need(tensors: Params, name: str) -> Tensor:
 
 def hf_config(cfg: Qwen3MoeConfig) -> dict:
     """config.json for transformers' Qwen3MoeForCausalLM."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in FMOE_ONLY_FIELDS}
+    from fmoe.stages import deepseek_v2  # it imports this module
+
+    skip = FMOE_ONLY_FIELDS + _ROPE_FIELDS
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in skip}
     out["head_dim"] = cfg.head_size
     out["mlp_only_layers"] = list(cfg.mlp_only_layers)
-    out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out["rope_theta"] = cfg.rope_theta  # transformers 4 reads it here
+    out["rope_parameters"] = deepseek_v2.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
     out.update(architectures=[HF_ARCHITECTURE], model_type=HF_MODEL_TYPE, hidden_act="silu")
     out.update(output_router_logits=False, use_cache=False)
     return out
 
 
-def plain_rope_theta(hf: Mapping, family: str, default: float) -> float:
-    """rope_theta from config.json when the rotary embedding must be plain (rope_type "default"):
-    transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``; any
-    scaling is refused naming the field."""
-    theta = hf.get("rope_theta")
-    rp = hf.get("rope_parameters")
-    if rp is not None:
-        if not isinstance(rp, Mapping):
-            raise ValueError(f"config.json field 'rope_parameters' must be a table, got {json.dumps(rp)}")
-        rope_type = rp.get("rope_type", rp.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"config.json field 'rope_parameters' has rope_type {rope_type!r}: fmoe's {family} "
-                "implements only 'default' (plain RoPE)"
-            )
-        unknown = sorted(set(rp) - {"rope_type", "type", "rope_theta"})
-        if unknown:
-            raise ValueError(f"config.json field 'rope_parameters' has unsupported key {unknown[0]!r}")
-        if "rope_theta" in rp:
-            if theta is not None and theta != rp["rope_theta"]:
-                raise ValueError(
-                    f"config.json fields 'rope_theta' ({theta}) and 'rope_parameters.rope_theta' "
-                    f"({rp['rope_theta']}) disagree"
-                )
-            theta = rp["rope_theta"]
-    rs = hf.get("rope_scaling")
-    if rs is not None:
-        rope_type = rs.get("rope_type", rs.get("type")) if isinstance(rs, Mapping) else rs
-        if rope_type != "default":
-            raise ValueError(
-                f"config.json field 'rope_scaling' = {json.dumps(rs)} is not supported by fmoe's {family} "
-                "(supported: null, plain RoPE)"
-            )
-    return default if theta is None else theta
-
-
 def config_from_hf(hf: Mapping) -> Qwen3MoeConfig:
     """Our config from a config.json dict. Every key is honoured, pinned or metadata (see
     HF_HONOURED_FIELDS); ValueError names an unknown key or an unsupported value."""
+    from fmoe.stages import deepseek_v2  # it imports this module
+
     check_hf_fields(hf, HF_MODEL_TYPE, HF_HONOURED_FIELDS, HF_PINNED_FIELDS, HF_METADATA_FIELDS)
-    names = {f.name for f in fields(Qwen3MoeConfig) if f.name not in FMOE_ONLY_FIELDS}
-    kwargs = {k: v for k, v in HF_DEFAULTS.items() if k != "rope_theta"}
-    kwargs.update({k: v for k, v in hf.items() if k in names and k not in ("rope_theta", "num_experts")})
+    names = {f.name for f in fields(Qwen3MoeConfig) if f.name not in FMOE_ONLY_FIELDS + _ROPE_FIELDS}
+    kwargs = dict(HF_DEFAULTS)
+    kwargs.update({k: v for k, v in hf.items() if k in names and k != "num_experts"})
     # transformers 5 writes num_local_experts, the hub and transformers 4 num_experts
     kwargs.update(aliased_field(hf, "num_experts", ("num_local_experts", "num_experts")))
-    kwargs["rope_theta"] = plain_rope_theta(hf, HF_MODEL_TYPE, HF_DEFAULTS["rope_theta"])
+    kwargs["rope_theta"], kwargs["rope_scaling"] = deepseek_v2.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
     if kwargs.get("mlp_only_layers") is None:  # transformers reads null as no dense layers
         kwargs["mlp_only_layers"] = ()
     return Qwen3MoeConfig(**checked_kwargs(Qwen3MoeConfig, kwargs))

@@ -8,6 +8,7 @@ random transformers model saved with the installed transformers); nothing is dow
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -208,23 +209,49 @@ def test_hidden_act_other_than_silu_is_refused(tmp_path, family):
 
 
 @pytest.mark.parametrize(
-    "changes",
+    ("changes", "field"),
     [
-        dict(use_sliding_window=True, sliding_window=16),
-        dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
-        dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
-        dict(rope_parameters=..., rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0}),
-        dict(attention_dropout=0.1),
+        (dict(use_sliding_window=True, sliding_window=16), "field 'use_sliding_window'"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+         r"rope_parameters\.rope_type must be 'yarn' \(or 'default'\), got 'linear'"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+         r"rope_parameters\.original_max_position_embeddings must be a number"),
+        (dict(rope_parameters=..., rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0}),
+         r"rope_scaling\.rope_type must be 'yarn'"),
+        (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
+         r"rope_parameters: unknown key 'partial_rotary_factor'"),
+        (dict(attention_dropout=0.1), "field 'attention_dropout'"),
     ],
-    ids=["sliding_window", "rope_linear", "rope_yarn", "legacy_rope_scaling", "attention_dropout"],
-)
-def test_qwen3_moe_fields_without_fmoe_math_are_refused_by_name(tmp_path, changes):
+    ids=["sliding_window", "rope_linear", "rope_yarn_incomplete", "legacy_rope_scaling", "partial_rotary",
+         "attention_dropout"],
+)  # fmt: skip
+def test_qwen3_moe_fields_without_fmoe_math_are_refused_by_name(tmp_path, changes, field):
     folder, _ = _export(tmp_path, "qwen3_moe", tiny_config())
     _edit_config(folder, **changes)
-    field = next(
-        k for k, v in changes.items() if v is not ... and k != "rope_theta" and k != "sliding_window"
+    _one_line_error(folder, field)
+
+
+def test_qwen3_moe_yarn_rope_scaling_is_imported_with_logits_parity(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+    model, folder = _transformers_qwen3_moe(
+        tmp_path, num_experts=8, rope_parameters={**yarn, "rope_theta": 5000.0}, max_position_embeddings=32
     )
-    _one_line_error(folder, f"field '{field}'")
+    _, cfg, params = hf.import_hf(folder)
+    assert cfg.rope_scaling == yarn and cfg.rope_theta == 5000.0
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = qwen3_moe.logits(cfg, params, tokens), model(tokens).logits
+        plain = qwen3_moe.logits(dataclasses.replace(cfg, rope_scaling=None), params, tokens)
+    torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
+    assert (plain - theirs).abs().max() > 1e-3, "the scaling changed nothing; the test would be empty"
+    # and back out: transformers reads fmoe's export of it to the same logits
+    transformers = pytest.importorskip("transformers")
+    out = hf.export_hf("qwen3_moe", cfg, params, tmp_path / "back")
+    again = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        out, dtype=torch.float64, experts_implementation="eager"
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(tokens).logits, theirs, rtol=1e-9, atol=1e-9)
 
 
 def test_qwen3_moe_sliding_window_without_use_sliding_window_is_inert_and_accepted(tmp_path):

@@ -168,6 +168,56 @@ def test_qwen3_moe_attention_bias_round_trips_through_export(tmp_path):
     assert (qwen3_moe.logits(cfg, params, tokens) - qwen3_moe.logits(cfg, no_bias, tokens)).abs().max() > 1e-3
 
 
+def _randomized(model):
+    """Every weight of a transformers model random and O(1)-ish (norm weights near 1), seeded."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = name.endswith("norm.weight")
+            p.copy_(
+                (1.0 if norm else 0.0)
+                + (0.1 if norm else 0.3) * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            )
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "gpt_oss"])
+def test_transformers_saved_deepseek_v2_and_gpt_oss_import_with_logits_parity(tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=77, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=32, experts_implementation="eager")  # fmt: skip
+    if family == "deepseek_v2":
+        yarn = dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=0.7, mscale_all_dim=0.7
+        )
+        config = transformers.DeepseekV2Config(
+            **common, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=6, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, rope_parameters={**yarn, "rope_theta": 1000.0},
+        )  # fmt: skip
+        model = _randomized(transformers.DeepseekV2ForCausalLM(config).to(torch.float64))
+    else:
+        yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=32.0, beta_slow=1.0,
+                    truncate=False)  # fmt: skip
+        config = transformers.GptOssConfig(
+            **common, intermediate_size=16, num_key_value_heads=2, head_dim=8, num_local_experts=6,
+            num_experts_per_tok=2, sliding_window=4, rope_parameters={**yarn, "rope_theta": 1000.0},
+        )  # fmt: skip
+        model = _randomized(transformers.GptOssForCausalLM(config).to(torch.float64))
+    model.save_pretrained(tmp_path / "hf")
+
+    name, cfg, params = hf.import_hf(tmp_path / "hf")
+    assert name == family and cfg.num_experts == 6 and cfg.vocab_size == 77 and cfg.rope_scaling == yarn
+    tokens = torch.randint(0, 77, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = FAMILY_MODULES[family].logits(cfg, params, tokens), model(tokens).logits
+    assert theirs.abs().max() > 1.0, "logits too small for the comparison to mean anything"
+    # float64 except the rotary tables, float32 on both sides: cos/sin of the same float32 angles
+    # differ by an ulp (6e-8 relative) between the two codes' kernels, and logits of size ~10 carry
+    # that as ~1e-6; 1e-5 is ten times that, far below what a wrong field would give
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # the expert count under transformers 5's name
 

@@ -483,3 +483,13 @@ def test_the_cli_prints_one_error_line_naming_the_field(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("fmoe: error: ") and "'use_sliding_window'" in err and "\n" not in err
     assert not (tmp_path / "ck").exists(), "nothing is written for a refused import"
+
+
+def test_a_model_type_other_than_the_family_asked_for_is_refused(tmp_path):
+    folder, _ = _export(tmp_path, "qwen3_moe", tiny_config())
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_moe' is not the family asked for, 'gpt_oss'"):
+        hf.import_hf(folder, "gpt_oss")
+    _edit_config(folder, model_type=...)
+    with pytest.raises(ValueError, match=r"no model_type"):
+        hf.import_hf(folder)
+    assert hf.import_hf(folder, "qwen3_moe")[0] == "qwen3_moe"

@@ -197,7 +197,13 @@ def export_hf(
 
 
 def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, object, dict[str, Tensor]]:
-    """Read a Hugging Face folder (config.json + one or more *.safetensors) -> (family, config, params)."""
+    """Read a Hugging Face folder (config.json + one or more *.safetensors) -> (family, config, params).
+
+    Nothing is guessed or dropped: every config.json key must be one the family honours or knows to
+    be harmless (``HF_HONOURED_FIELDS`` / ``HF_PINNED_FIELDS`` / ``HF_METADATA_FIELDS`` of its
+    module), and every tensor must be one the config implies, at the shape it implies. Any other
+    case raises a one-line ValueError naming the file and the key or tensor.
+    """
     folder = Path(folder)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -206,19 +212,37 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
         hf = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path}: not valid JSON ({e})") from None
-    name = family_name or hf.get("model_type")
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path}: not a JSON object")
+    model_type = hf.get("model_type")
+    if family_name is not None and model_type is not None and model_type != family_name:
+        raise ValueError(
+            f"{config_path}: model_type {model_type!r} is not the family asked for, {family_name!r}"
+        )
+    name = family_name or model_type
+    if name is None:
+        raise ValueError(f"{config_path}: no model_type (known: {sorted(FAMILIES)})")
     fam = family(name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    try:
+        cfg = fam.config_from_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     tensors: dict[str, Tensor] = {}
     for f in files:
         try:
-            tensors.update(load_file(f))
+            loaded = load_file(f)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
-    cfg = fam.config_from_hf(hf)
+        twice = sorted(set(loaded) & set(tensors))
+        if twice:
+            raise ValueError(f"{f}: tensor {twice[0]!r} is also in another *.safetensors file of the folder")
+        tensors.update(loaded)
     try:
         return name, cfg, fam.from_hf(cfg, tensors)
     except KeyError as e:
         raise ValueError(f"{folder}: {e.args[0]}") from None
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None

@@ -225,11 +225,11 @@ def check_rope_scaling(rs: Mapping | None, where: str) -> dict | None:
     rs = dict(rs)
     if "type" in rs:
         rs.setdefault("rope_type", rs.pop("type"))
+    unknown = sorted(set(rs) - set(YARN_KEYS))
+    if unknown:  # checked for "default" too: a key such as partial_rotary_factor changes plain RoPE
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(YARN_KEYS)})")
     if rs.get("rope_type") == "default":
         return None
-    unknown = sorted(set(rs) - set(YARN_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(YARN_KEYS)})")
     if rs.get("rope_type") != "yarn":
         raise ValueError(f"{where}.rope_type must be 'yarn' (or 'default'), got {rs.get('rope_type')!r}")
     for key in ("factor", "original_max_position_embeddings"):
@@ -581,6 +581,88 @@ def logits(cfg: DeepseekV2Config, params: Params, tokens: Tensor, positions: Ten
 HF_ARCHITECTURE = "DeepseekV2ForCausalLM"
 HF_MODEL_TYPE = "deepseek_v2"
 FMOE_ONLY_FIELDS = ("moe_capacity_factor", "rope_theta", "rope_scaling")
+# config.json keys, as in fmoe.stages.qwen3_moe: honoured (set or checked against a config field),
+# pinned (only the listed values), metadata (nothing the model computes); anything else is refused
+HF_HONOURED_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "n_shared_experts",
+        "n_routed_experts",
+        "num_experts",  # transformers' alias of n_routed_experts
+        "num_experts_per_tok",
+        "routed_scaling_factor",
+        "topk_method",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "first_k_dense_replace",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "rms_norm_eps",
+        "rope_parameters",  # transformers 5: default or yarn (check_rope_scaling)
+        "rope_theta",  # the hub / transformers 4
+        "rope_scaling",  # the hub / transformers 4: null or yarn
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "initializer_range",
+        "aux_loss_alpha",
+    }
+)
+HF_PINNED_FIELDS: dict[str, tuple] = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False,),  # q_a / kv_a / o projection biases: not implemented
+    "mlp_bias": (False,),
+    "attention_dropout": (0.0,),
+    "moe_layer_freq": (1,),  # the hub's remote code: MoE every layer after first_k_dense_replace
+    "scoring_func": ("softmax",),  # the hub's remote code: the router's softmax
+    "quantization_config": (None,),
+}
+HF_METADATA_FIELDS = qwen3_moe.HF_COMMON_METADATA_FIELDS | {
+    "head_dim",  # transformers recomputes it as qk_rope_head_dim
+    "qk_head_dim",  # transformers recomputes it as qk_nope_head_dim + qk_rope_head_dim
+    "pretraining_tp",  # the hub's remote code: tensor-parallel slicing of the same products
+    "ep_size",  # the hub's remote code: its expert-parallel degree
+    "seq_aux",  # the hub's remote code: the aux loss's form (fmoe's is its own, see aux_loss_alpha)
+    "auto_map",  # the hub's remote-code pointer (fmoe, like transformers 5, reads the weights itself)
+}
+# transformers' DeepseekV2Config defaults, for keys config.json omits (rope_theta 10000, plain RoPE)
+HF_DEFAULTS = {
+    "vocab_size": 102400,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "first_k_dense_replace": 0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "n_group": None,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "routed_scaling_factor": 1.0,
+    "topk_group": None,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "v_head_dim": 128,
+    "num_experts_per_tok": None,
+    "moe_intermediate_size": 1407,
+}
+HF_DEFAULT_ROPE_THETA = 10000.0
 
 
 def to_hf(cfg: DeepseekV2Config, params: Params) -> dict[str, Tensor]:
@@ -591,9 +673,12 @@ def to_hf(cfg: DeepseekV2Config, params: Params) -> dict[str, Tensor]:
 def from_hf(cfg: DeepseekV2Config, tensors: Params) -> dict[str, Tensor]:
     """Hugging Face tensors (hub per-expert layout or transformers' stacked layout) -> fmoe params.
 
-    Raises KeyError naming the first missing tensor.
+    Raises KeyError naming the first missing tensor, ValueError naming a tensor of the wrong shape
+    or one the config has no place for.
     """
-    return qwen3_moe.stack_hub_experts(param_shapes(cfg), cfg.n_routed_experts, tensors)
+    return qwen3_moe.stack_hub_experts(
+        param_shapes(cfg), cfg.n_routed_experts, tensors, cfg.tie_word_embeddings
+    )
 
 
 def rope_parameters(theta: float, rope_scaling: Mapping | None) -> dict:
@@ -605,13 +690,26 @@ def rope_parameters(theta: float, rope_scaling: Mapping | None) -> dict:
 
 def rope_from_hf(hf: Mapping, default_theta: float) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling) from a config.json: transformers 5's ``rope_parameters`` or the
-    hub's older ``rope_theta`` + ``rope_scaling``."""
+    hub's older ``rope_theta`` + ``rope_scaling``; ValueError when the two forms disagree."""
     rp = hf.get("rope_parameters")
     if isinstance(rp, Mapping):
         rp = dict(rp)
         theta = rp.pop("rope_theta", hf.get("rope_theta", default_theta))
-        return theta, (None if rp.get("rope_type", rp.get("type", "default")) == "default" else rp)
-    return hf.get("rope_theta", default_theta), hf.get("rope_scaling")
+        if "rope_theta" in hf and hf["rope_theta"] != theta:
+            raise ValueError(
+                f"config.json fields 'rope_theta' ({hf['rope_theta']}) and 'rope_parameters.rope_theta' "
+                f"({theta}) disagree"
+            )
+        scaling = check_rope_scaling(rp, "config.json rope_parameters")
+        legacy = check_rope_scaling(hf.get("rope_scaling"), "config.json rope_scaling")
+        if legacy is not None and legacy != scaling:
+            raise ValueError("config.json fields 'rope_scaling' and 'rope_parameters' disagree")
+        return theta, scaling
+    if rp is not None:
+        raise ValueError(f"config.json field 'rope_parameters' must be a table, got {rp!r}")
+    return hf.get("rope_theta", default_theta), check_rope_scaling(
+        hf.get("rope_scaling"), "config.json rope_scaling"
+    )
 
 
 def hf_config(cfg: DeepseekV2Config) -> dict:
@@ -631,9 +729,13 @@ def hf_config(cfg: DeepseekV2Config) -> dict:
     return out
 
 
-def config_from_hf(hf: dict) -> DeepseekV2Config:
-    """Our config from a config.json dict (unknown keys ignored; rope from either format)."""
-    names = {f.name for f in fields(DeepseekV2Config) if f.init}
-    kwargs = {k: v for k, v in hf.items() if k in names and k not in ("rope_theta", "rope_scaling")}
-    kwargs["rope_theta"], kwargs["rope_scaling"] = rope_from_hf(hf, DeepseekV2Config.rope_theta)
-    return DeepseekV2Config(**kwargs)
+def config_from_hf(hf: Mapping) -> DeepseekV2Config:
+    """Our config from a config.json dict: every key honoured, pinned or metadata (HF_HONOURED_FIELDS
+    ...), a key it omits at transformers' default; ValueError names an unknown key or bad value."""
+    qwen3_moe.check_hf_fields(hf, HF_MODEL_TYPE, HF_HONOURED_FIELDS, HF_PINNED_FIELDS, HF_METADATA_FIELDS)
+    names = {f.name for f in fields(DeepseekV2Config) if f.init and f.name not in FMOE_ONLY_FIELDS}
+    kwargs = dict(HF_DEFAULTS)
+    kwargs.update({k: v for k, v in hf.items() if k in names and k != "n_routed_experts"})
+    kwargs.update(qwen3_moe.aliased_field(hf, "n_routed_experts", ("n_routed_experts", "num_experts")))
+    kwargs["rope_theta"], kwargs["rope_scaling"] = rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
+    return DeepseekV2Config(**qwen3_moe.checked_kwargs(DeepseekV2Config, kwargs))

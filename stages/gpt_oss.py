@@ -29,6 +29,7 @@ stores [E, H, 2I] and [E, I, H]; ``to_hf`` / ``from_hf`` transpose. The biases
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -441,6 +442,67 @@ HF_ARCHITECTURE = "GptOssForCausalLM"
 HF_MODEL_TYPE = "gpt_oss"
 FMOE_ONLY_FIELDS = ("moe_capacity_factor", "rope_theta", "rope_scaling")
 _TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# config.json keys, as in fmoe.stages.qwen3_moe: honoured (set or checked against a config field),
+# pinned (only the listed values), metadata (nothing the model computes); anything else is refused
+HF_HONOURED_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_local_experts",
+        "num_experts",  # transformers' alias of num_local_experts
+        "num_experts_per_tok",
+        "experts_per_token",  # the released checkpoints' duplicate of num_experts_per_tok
+        "sliding_window",
+        "layer_types",
+        "swiglu_alpha",
+        "swiglu_limit",
+        "attention_bias",
+        "rms_norm_eps",
+        "rope_parameters",  # transformers 5: default or yarn (deepseek_v2.check_rope_scaling)
+        "rope_theta",  # transformers 4 / the hub
+        "rope_scaling",  # transformers 4 / the hub: null or yarn
+        "max_position_embeddings",
+        "router_aux_loss_coef",
+        "tie_word_embeddings",
+        "initializer_range",
+    }
+)
+HF_PINNED_FIELDS: dict[str, tuple] = {
+    "attention_dropout": (0.0,),
+    "quantization_config": (None,),  # MXFP4 checkpoints: dequantize to bf16 first
+}
+HF_METADATA_FIELDS = qwen3_moe.HF_COMMON_METADATA_FIELDS | {
+    "hidden_act",  # transformers' GptOss never reads it: the experts' clamped SwiGLU is fixed
+    "initial_context_length",  # the release's note of its pre-YaRN length; transformers never reads it
+}
+# transformers' GptOssConfig defaults, for keys config.json omits (rope: gpt-oss's YaRN, theta 150000)
+HF_DEFAULTS = {
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "head_dim": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "sliding_window": 128,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "router_aux_loss_coef": 0.001,
+    "layer_types": None,
+    "attention_bias": True,
+}
+HF_DEFAULT_ROPE_THETA = 150000.0
 
 
 def to_hf(cfg: GptOssConfig, params: Params) -> dict[str, Tensor]:
@@ -451,7 +513,8 @@ def to_hf(cfg: GptOssConfig, params: Params) -> dict[str, Tensor]:
 
 def from_hf(cfg: GptOssConfig, tensors: Params) -> dict[str, Tensor]:
     """transformers' GptOss tensors -> fmoe params. Raises KeyError naming the first missing tensor;
-    MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales``) must be dequantized first."""
+    MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales``) must be dequantized first; ValueError
+    names a tensor of the wrong shape or one the config has no place for."""
     shapes = param_shapes(cfg)
     params: dict[str, Tensor] = {}
     for name, shape in shapes.items():
@@ -463,12 +526,11 @@ def from_hf(cfg: GptOssConfig, tensors: Params) -> dict[str, Tensor]:
                 )
             raise KeyError(f"Hugging Face checkpoint lacks tensor {name!r}")
         t = tensors[name]
+        # transformers stores the expert weights [E, in, out]: the shape config.json implies there
+        stored = (shape[0], shape[2], shape[1]) if name.endswith(_TRANSPOSED) else shape
+        qwen3_moe.check_shape(name, t, stored)
         params[name] = t.transpose(1, 2).contiguous() if name.endswith(_TRANSPOSED) else t
-        if tuple(params[name].shape) != shape:
-            raise ValueError(
-                f"Hugging Face tensor {name!r} has shape {tuple(t.shape)}, expected "
-                f"{tuple(shape[i] for i in ((0, 2, 1) if name.endswith(_TRANSPOSED) else range(len(shape))))}"
-            )
+    qwen3_moe.refuse_surplus(tensors, set(shapes), cfg.tie_word_embeddings)
     return params
 
 
@@ -487,14 +549,28 @@ def hf_config(cfg: GptOssConfig) -> dict:
     return out
 
 
-def config_from_hf(hf: dict) -> GptOssConfig:
-    """Our config from a config.json dict (unknown keys ignored; rope from either format)."""
-    names = {f.name for f in fields(GptOssConfig)}
-    kwargs = {k: v for k, v in hf.items() if k in names and k not in ("rope_theta", "rope_scaling")}
-    theta, scaling = rope.rope_from_hf(hf, GptOssConfig.rope_theta)
+def config_from_hf(hf: Mapping) -> GptOssConfig:
+    """Our config from a config.json dict: every key honoured, pinned or metadata (HF_HONOURED_FIELDS
+    ...), a key it omits at transformers' default; ValueError names an unknown key or bad value."""
+    qwen3_moe.check_hf_fields(hf, HF_MODEL_TYPE, HF_HONOURED_FIELDS, HF_PINNED_FIELDS, HF_METADATA_FIELDS)
+    names = {f.name for f in fields(GptOssConfig) if f.name not in FMOE_ONLY_FIELDS}
+    kwargs = dict(HF_DEFAULTS)
+    kwargs.update({k: v for k, v in hf.items() if k in names and k != "num_local_experts"})
+    kwargs.update(qwen3_moe.aliased_field(hf, "num_local_experts", ("num_local_experts", "num_experts")))
+    if "experts_per_token" in hf and hf["experts_per_token"] != kwargs["num_experts_per_tok"]:
+        raise ValueError(
+            f"config.json fields 'experts_per_token' ({hf['experts_per_token']}) and 'num_experts_per_tok' "
+            f"({kwargs['num_experts_per_tok']}) disagree"
+        )
+    # transformers: null head count / head_dim mean the plain ones
+    if kwargs["num_key_value_heads"] is None:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    if kwargs["head_dim"] is None and all(
+        type(kwargs[k]) is int for k in ("hidden_size", "num_attention_heads")
+    ):
+        kwargs["head_dim"] = kwargs["hidden_size"] // max(kwargs["num_attention_heads"], 1)
+    theta, scaling = rope.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
     kwargs["rope_theta"] = theta
     if "rope_parameters" in hf or "rope_scaling" in hf:
         kwargs["rope_scaling"] = scaling
-    if kwargs.get("layer_types") is not None:
-        kwargs["layer_types"] = tuple(kwargs["layer_types"])
-    return GptOssConfig(**kwargs)
+    return GptOssConfig(**qwen3_moe.checked_kwargs(GptOssConfig, kwargs))

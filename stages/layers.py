@@ -108,15 +108,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rotary_cos_sin(
-    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    inv_freq: Tensor | None = None,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """cos, sin tables [..., d] for integer ``positions`` [...] (half-rotation layout)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    )
-    freqs = positions[..., None].to(torch.float32) * inv_freq
+    """cos, sin tables [..., d] for integer ``positions`` [...] (half-rotation layout).
+
+    ``inv_freq`` [d/2] float32, when given, replaces theta^(-2i/d) (a scaled RoPE such as YaRN);
+    ``scale`` multiplies both tables (YaRN's attention factor), in float32 before the cast.
+    """
+    if inv_freq is None:
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+        )
+    freqs = positions[..., None].to(torch.float32) * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -171,19 +184,32 @@ def gqa_attention(
     rope_theta: float,
     eps: float,
     cp_group=None,
+    *,
+    q_b: Tensor | None = None,
+    k_b: Tensor | None = None,
+    v_b: Tensor | None = None,
+    o_b: Tensor | None = None,
+    rotary_inv_freq: Tensor | None = None,
+    rotary_scale: float = 1.0,
 ) -> Tensor:
     """Grouped-query self-attention with optional per-head QK RMSNorm and rotary positions.
 
     x: [b, s, H] (already normed), positions: [b, s] or [s] int64 -> [b, s, H]. With a context-
     parallel group, x holds this rank's share of the sequence and positions ([s]) say where it sits.
+    q_b/k_b/v_b/o_b: optional projection biases ([heads*d] / [kv_heads*d] / [H]), added before the
+    QK norm and after the output projection (Hugging Face's ``attention_bias``). rotary_inv_freq /
+    rotary_scale: a scaled RoPE's frequencies and cos/sin factor (see :func:`rotary_cos_sin`).
     """
     b, s, _ = x.shape
-    q = linear(x, q_w).view(b, s, num_heads, head_dim)
-    k = linear(x, k_w).view(b, s, num_kv_heads, head_dim)
-    v = linear(x, v_w).view(b, s, num_kv_heads, head_dim)
+
+    def proj(w: Tensor, bias: Tensor | None, heads: int) -> Tensor:
+        y = linear(x, w)
+        return (y if bias is None else y + bias).view(b, s, heads, head_dim)
+
+    q, k, v = proj(q_w, q_b, num_heads), proj(k_w, k_b, num_kv_heads), proj(v_w, v_b, num_kv_heads)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
-    cos, sin = rotary_cos_sin(positions, head_dim, rope_theta, x.dtype)
+    cos, sin = rotary_cos_sin(positions, head_dim, rope_theta, x.dtype, rotary_inv_freq, rotary_scale)
     q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if cp_group is None:
@@ -192,7 +218,8 @@ def gqa_attention(
         from fmoe.stages.context_parallel import causal_attention_cp
 
         out = causal_attention_cp(q, k, v, positions, head_dim**-0.5, cp_group)
-    return linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
+    out = linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
+    return out if o_b is None else out + o_b
 
 
 def top_k_router(

@@ -30,6 +30,10 @@ selection only; the trainer updates it with ``fmoe.stages.moe.update_router_bias
 from __future__ import annotations
 
 import functools
+import json
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -42,7 +46,11 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Qwen3MoeConfig:
-    """Fields named as in Hugging Face's ``Qwen3MoeConfig``; defaults give a tiny CPU model."""
+    """Fields named as in Hugging Face's ``Qwen3MoeConfig``; defaults give a tiny CPU model.
+
+    rope_scaling: None (plain RoPE) or a YaRN table (transformers' ``rope_parameters`` without
+    ``rope_theta``; see fmoe.stages.deepseek_v2.check_rope_scaling).
+    """
 
     vocab_size: int = 512
     hidden_size: int = 64
@@ -63,15 +71,26 @@ class Qwen3MoeConfig:
     router_aux_loss_coef: float = 0.001
     initializer_range: float = 0.02
     max_position_embeddings: int = 32768
+    attention_bias: bool = False  # q/k/v/o projection biases
+    rope_scaling: dict | None = None
     # fmoe training settings (not Hugging Face config fields; hf_config leaves them out)
     moe_capacity_factor: float | None = None  # None: dropless
     moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing bias (DeepSeek-V3)
 
     def __post_init__(self) -> None:
+        from fmoe.stages import deepseek_v2  # YaRN lives there; it imports this module
+
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(
+            self,
+            "rope_scaling",
+            deepseek_v2.check_rope_scaling(self.rope_scaling, "Qwen3MoeConfig.rope_scaling"),
+        )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("head_dim", "mlp_only_layers", "moe_capacity_factor") or isinstance(value, bool):
+            if f.name in ("head_dim", "mlp_only_layers", "moe_capacity_factor", "rope_scaling") or isinstance(
+                value, bool
+            ):
                 continue
             if isinstance(value, int | float) and value < 0:
                 raise ValueError(f"Qwen3MoeConfig.{f.name} must be >= 0, got {value}")
@@ -165,6 +184,8 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
         cfg.rope_theta,
         cfg.rms_norm_eps,
         cp_group=ctx.group("cp"),
+        **_attention_biases(cfg, p),
+        **_scaled_rotary(cfg),
     )
     h1 = h + a
     x = layers.rms_norm(h1, p["post_attention_layernorm.weight"], cfg.rms_norm_eps).reshape(
@@ -185,6 +206,24 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
         # under context parallelism the statistics span the whole sequence (all cp ranks)
         outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts, group=ctx.group("cp")),)
     return outputs
+
+
+def _attention_biases(cfg: Qwen3MoeConfig, p: Params) -> dict[str, Tensor]:
+    """layers.gqa_attention's bias keywords: the four projection biases under attention_bias."""
+    if not cfg.attention_bias:
+        return {}
+    return {f"{n}_b": p[f"self_attn.{n}_proj.bias"] for n in "qkvo"}
+
+
+def _scaled_rotary(cfg: Qwen3MoeConfig) -> dict:
+    """layers.gqa_attention's rotary keywords under rope_scaling (YaRN's frequencies and cos/sin
+    factor, as transformers computes them); none for plain RoPE."""
+    if cfg.rope_scaling is None:
+        return {}
+    from fmoe.stages import deepseek_v2  # it imports this module
+
+    inv_freq, factor = deepseek_v2.rotary_inv_freq(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    return {"rotary_inv_freq": inv_freq, "rotary_scale": factor}
 
 
 def dispatch(cfg: Qwen3MoeConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
@@ -275,6 +314,11 @@ def param_shapes(cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
         shapes[pre + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, H)
         shapes[pre + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, H)
         shapes[pre + "self_attn.o_proj.weight"] = (H, cfg.num_attention_heads * d)
+        if cfg.attention_bias:
+            shapes[pre + "self_attn.q_proj.bias"] = (cfg.num_attention_heads * d,)
+            shapes[pre + "self_attn.k_proj.bias"] = (cfg.num_key_value_heads * d,)
+            shapes[pre + "self_attn.v_proj.bias"] = (cfg.num_key_value_heads * d,)
+            shapes[pre + "self_attn.o_proj.bias"] = (H,)
         shapes[pre + "self_attn.q_norm.weight"] = (d,)
         shapes[pre + "self_attn.k_norm.weight"] = (d,)
         shapes[pre + "post_attention_layernorm.weight"] = (H,)
@@ -299,7 +343,7 @@ def param_shapes(cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
 def init_params(
     cfg: Qwen3MoeConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> dict[str, Tensor]:
-    """Seeded init: norms 1, everything else N(0, initializer_range).
+    """Seeded init: norms 1, attention biases 0, everything else N(0, initializer_range).
 
     Each parameter draws from its own generator seeded by (seed, name), so a parameter's values do not
     depend on which others are created (a sharded or pipelined layout inits the same numbers).
@@ -308,6 +352,8 @@ def init_params(
     for name, shape in param_shapes(cfg).items():
         if name.endswith("norm.weight"):
             value = torch.ones(shape)
+        elif name.endswith("_proj.bias"):
+            value = torch.zeros(shape)
         elif name.endswith(ROUTER_BIAS):  # balancing starts neutral; kept in float32 (a buffer)
             params[name] = torch.zeros(shape, dtype=torch.float32, device=device)
             continue
@@ -376,11 +422,168 @@ def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tenso
 # ----------------------------------------------------------------------------------------------
 # Hugging Face checkpoint layout: experts stored one by one (the hub's layout; transformers also
 # reads it into its stacked layout), everything else under the same names as here.
+#
+# Import trusts no field it does not know: every key of config.json is either honoured (it sets a
+# config field, or is checked against one), pinned (only the listed values, the ones whose math
+# fmoe implements, are accepted), or harmless metadata (names, versions, storage dtype, token ids,
+# output flags: nothing the model computes). Anything else is refused with the key named. A key
+# config.json omits takes transformers' default (HF_DEFAULTS), as transformers itself would.
 
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 SUPPORTS_CONTEXT_PARALLEL = True  # attn passes ctx.group("cp") to the attention and the aux loss
 HF_MODEL_TYPE = "qwen3_moe"
 FMOE_ONLY_FIELDS = ("moe_capacity_factor", "moe_router_bias_update_rate")
+_ROPE_FIELDS = ("rope_theta", "rope_scaling")  # written and read as transformers' rope_parameters
+
+# metadata every family's config.json may carry: names, versions, storage dtype, special-token ids
+# (pad_token_id only sets nn.Embedding's padding_idx, i.e. that row's init), generation/output flags,
+# and transformers' bookkeeping of where the config came from
+HF_COMMON_METADATA_FIELDS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_name_or_path",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "output_router_logits",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+HF_HONOURED_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_experts",  # the hub's and transformers 4's name
+        "num_local_experts",  # transformers 5's name for the same count
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "intermediate_size",
+        "norm_topk_prob",
+        "rms_norm_eps",
+        "rope_parameters",  # transformers 5: rope_type "default" or "yarn"
+        "rope_theta",  # transformers 4 / the hub
+        "rope_scaling",  # transformers 4 / the hub: null or yarn
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "tie_word_embeddings",
+        "router_aux_loss_coef",
+        "initializer_range",
+        "max_position_embeddings",
+        "attention_bias",
+    }
+)
+# fields accepted only at these values: fmoe has no math for the others
+HF_PINNED_FIELDS: dict[str, tuple] = {
+    "hidden_act": ("silu",),
+    "attention_dropout": (0.0,),
+    "use_sliding_window": (False,),  # sliding-window attention is not implemented
+}
+# sliding_window / max_window_layers are read only when use_sliding_window is true (refused above)
+HF_METADATA_FIELDS = HF_COMMON_METADATA_FIELDS | {"sliding_window", "max_window_layers"}
+# transformers' Qwen3MoeConfig defaults, for keys config.json omits
+HF_DEFAULTS = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": None,
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768,
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001,
+    "mlp_only_layers": (),
+}
+HF_DEFAULT_ROPE_THETA = 10000.0
+# buffers some checkpoints carry that the config fully determines (recomputed, never read)
+HF_DERIVED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_hf_fields(
+    hf: Mapping, family: str, honoured: frozenset, pinned: Mapping[str, tuple], metadata: frozenset
+) -> None:
+    """Refuse (ValueError, one line, the key named) a config.json key that is neither honoured nor
+    metadata, or a pinned key at a value outside its accepted ones."""
+    for key, value in hf.items():
+        if key in pinned:
+            if not any(_same_value(value, ok) for ok in pinned[key]):
+                accepted = " or ".join(json.dumps(ok) for ok in pinned[key])
+                raise ValueError(
+                    f"config.json field {key!r} = {json.dumps(value)} is not supported by fmoe's {family} "
+                    f"(supported: {accepted})"
+                )
+        elif key not in honoured and key not in metadata:
+            raise ValueError(
+                f"config.json field {key!r} is unknown to fmoe's {family} import: refusing rather than "
+                "ignoring what it may change"
+            )
+
+
+def _same_value(value, ok) -> bool:
+    if isinstance(value, bool) or isinstance(ok, bool):
+        return isinstance(value, bool) and isinstance(ok, bool) and value == ok
+    return type(value) in (int, float) and type(ok) in (int, float) and value == ok or value == ok
+
+
+def checked_kwargs(cls: type, kwargs: Mapping) -> dict:
+    """``kwargs`` for dataclass ``cls`` with each value's JSON type checked against the field's
+    annotation (a list for a tuple field becomes a tuple); ValueError names the first bad key."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in kwargs.items():
+        hint = hints[key]
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        origins = {typing.get_origin(a) or a for a in allowed}
+        ok = (
+            (value is None and type(None) in origins)
+            or (isinstance(value, bool) and bool in origins)
+            or (type(value) is int and (int in origins or float in origins))
+            or (type(value) is float and float in origins)
+            or (isinstance(value, str) and str in origins)
+            or (isinstance(value, Mapping) and dict in origins)
+            or (
+                isinstance(value, list | tuple)
+                and tuple in origins
+                and all(isinstance(v, int | str) and not isinstance(v, bool) for v in value)
+            )
+        )
+        if not ok:
+            name = getattr(hint, "__name__", None) or str(hint)
+            raise ValueError(f"config.json field {key!r} must be {name}, got {json.dumps(value)}")
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def aliased_field(hf: Mapping, field_name: str, keys: tuple[str, ...]) -> dict:
+    """{field_name: value} from whichever of ``keys`` (names of one quantity) config.json has, {}
+    when none; ValueError when two of them disagree."""
+    found = {k: hf[k] for k in keys if k in hf}
+    if len({json.dumps(v) for v in found.values()}) > 1:
+        raise ValueError(
+            "config.json fields "
+            + " and ".join(f"{k!r} ({json.dumps(v)})" for k, v in found.items())
+            + " disagree"
+        )
+    return {field_name: next(iter(found.values()))} if found else {}
 
 
 def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
@@ -407,32 +610,40 @@ def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
 def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
     """Hugging Face tensors (hub per-expert layout or transformers' stacked layout) -> fmoe params.
 
-    Raises KeyError naming the first missing tensor.
+    Raises KeyError naming the first missing tensor, ValueError naming a tensor whose shape is not
+    the one the config implies or one the config has no place for.
     """
-    return stack_hub_experts(param_shapes(cfg), cfg.num_experts, tensors)
+    return stack_hub_experts(param_shapes(cfg), cfg.num_experts, tensors, cfg.tie_word_embeddings)
 
 
 def stack_hub_experts(
-    shapes: dict[str, tuple[int, ...]], num_experts: int, tensors: Params
+    shapes: dict[str, tuple[int, ...]], num_experts: int, tensors: Params, tied: bool = False
 ) -> dict[str, Tensor]:
     """fmoe params named in ``shapes`` from HF tensors: stacked expert weights built from the hub's
     per-expert ``experts.{e}.gate_proj/up_proj/down_proj`` when not already stacked. Shared by the
-    families that store experts as Qwen3-MoE does (DeepSeek-V2 too)."""
+    families that store experts as Qwen3-MoE does (DeepSeek-V2 too). Every tensor read is checked
+    against the shape ``shapes`` implies; a tensor left unread is refused (``refuse_surplus``)."""
     params: dict[str, Tensor] = {}
-    for name in shapes:
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...]) -> Tensor:
+        t = _need(tensors, name)
+        check_shape(name, t, shape)
+        used.add(name)
+        return t
+
+    for name, shape in shapes.items():
         if name in tensors:
-            params[name] = tensors[name]
+            params[name] = take(name, shape)
         elif name.endswith(ROUTER_BIAS):  # not in Hugging Face checkpoints: start neutral
-            params[name] = torch.zeros(shapes[name], dtype=torch.float32)
+            params[name] = torch.zeros(shape, dtype=torch.float32)
         elif name.endswith("mlp.experts.gate_up_proj"):
-            pre = name[: -len("gate_up_proj")]
+            pre, (_, two_inter, hidden) = name[: -len("gate_up_proj")], shape
+            half = (two_inter // 2, hidden)
             params[name] = torch.stack(
                 [
                     torch.cat(
-                        [
-                            _need(tensors, f"{pre}{e}.gate_proj.weight"),
-                            _need(tensors, f"{pre}{e}.up_proj.weight"),
-                        ]
+                        [take(f"{pre}{e}.gate_proj.weight", half), take(f"{pre}{e}.up_proj.weight", half)]
                     )
                     for e in range(num_experts)
                 ]
@@ -440,11 +651,42 @@ def stack_hub_experts(
         elif name.endswith("mlp.experts.down_proj"):
             pre = name[: -len("down_proj")]
             params[name] = torch.stack(
-                [_need(tensors, f"{pre}{e}.down_proj.weight") for e in range(num_experts)]
+                [take(f"{pre}{e}.down_proj.weight", shape[1:]) for e in range(num_experts)]
             )
         else:
-            _need(tensors, name)
+            take(name, shape)
+    refuse_surplus(tensors, used, tied)
     return params
+
+
+def check_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    """ValueError naming tensor ``name`` when its shape is not ``shape`` (what config.json implies)."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"Hugging Face tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+        )
+
+
+def refuse_surplus(tensors: Params, used: set[str], tied: bool) -> None:
+    """ValueError naming a tensor the config has no place for (more experts, layers or weights in
+    the checkpoint than config.json says): importing would silently drop it. Derived buffers
+    (HF_DERIVED_TENSOR_SUFFIXES) pass, and so does a tied ``lm_head.weight`` equal to the embedding."""
+    for name in sorted(set(tensors) - used):
+        if name.endswith(HF_DERIVED_TENSOR_SUFFIXES):
+            continue
+        if (
+            tied
+            and name == "lm_head.weight"
+            and "model.embed_tokens.weight" in used
+            and torch.equal(tensors[name], tensors["model.embed_tokens.weight"])
+        ):
+            continue
+        extra = len(set(tensors) - used) - 1
+        more = f" (and {extra} more)" if extra > 0 else ""
+        raise ValueError(
+            f"Hugging Face tensor {name!r} of shape {tuple(tensors[name].shape)} has no place in the "
+            f"model config.json describes{more}: check its layer/expert counts and tie_word_embeddings"
+        )
 
 
 def _need(tensors: Params, name: str) -> Tensor:
@@ -455,23 +697,31 @@ def _need(tensors: Params, name: str) -> Tensor:
 
 def hf_config(cfg: Qwen3MoeConfig) -> dict:
     """config.json for transformers' Qwen3MoeForCausalLM."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in FMOE_ONLY_FIELDS}
+    from fmoe.stages import deepseek_v2  # it imports this module
+
+    skip = FMOE_ONLY_FIELDS + _ROPE_FIELDS
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in skip}
     out["head_dim"] = cfg.head_size
     out["mlp_only_layers"] = list(cfg.mlp_only_layers)
-    out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    out.update(
-        architectures=[HF_ARCHITECTURE], model_type=HF_MODEL_TYPE, hidden_act="silu", attention_bias=False
-    )
+    out["rope_theta"] = cfg.rope_theta  # transformers 4 reads it here
+    out["rope_parameters"] = deepseek_v2.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
+    out.update(architectures=[HF_ARCHITECTURE], model_type=HF_MODEL_TYPE, hidden_act="silu")
     out.update(output_router_logits=False, use_cache=False)
     return out
 
 
-def config_from_hf(hf: dict) -> Qwen3MoeConfig:
-    """Our config from a config.json dict (unknown keys ignored, rope_theta from rope_parameters)."""
-    names = {f.name for f in fields(Qwen3MoeConfig)}
-    kwargs = {k: v for k, v in hf.items() if k in names}
-    if "rope_theta" not in kwargs and isinstance(hf.get("rope_parameters"), dict):
-        kwargs["rope_theta"] = hf["rope_parameters"].get("rope_theta", Qwen3MoeConfig.rope_theta)
-    if "mlp_only_layers" in kwargs:
-        kwargs["mlp_only_layers"] = tuple(kwargs["mlp_only_layers"])
-    return Qwen3MoeConfig(**kwargs)
+def config_from_hf(hf: Mapping) -> Qwen3MoeConfig:
+    """Our config from a config.json dict. Every key is honoured, pinned or metadata (see
+    HF_HONOURED_FIELDS); ValueError names an unknown key or an unsupported value."""
+    from fmoe.stages import deepseek_v2  # it imports this module
+
+    check_hf_fields(hf, HF_MODEL_TYPE, HF_HONOURED_FIELDS, HF_PINNED_FIELDS, HF_METADATA_FIELDS)
+    names = {f.name for f in fields(Qwen3MoeConfig) if f.name not in FMOE_ONLY_FIELDS + _ROPE_FIELDS}
+    kwargs = dict(HF_DEFAULTS)
+    kwargs.update({k: v for k, v in hf.items() if k in names and k != "num_experts"})
+    # transformers 5 writes num_local_experts, the hub and transformers 4 num_experts
+    kwargs.update(aliased_field(hf, "num_experts", ("num_local_experts", "num_experts")))
+    kwargs["rope_theta"], kwargs["rope_scaling"] = deepseek_v2.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
+    if kwargs.get("mlp_only_layers") is None:  # transformers reads null as no dense layers
+        kwargs["mlp_only_layers"] = ()
+    return Qwen3MoeConfig(**checked_kwargs(Qwen3MoeConfig, kwargs))

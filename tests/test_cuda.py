@@ -50,15 +50,23 @@ def _randn(*shape: int, seed: int, dtype=torch.float32, scale: float = 1.0) -> t
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float = 1.0) -> bool:
-    """|got - want| <= ulps x one ulp of got's dtype at |want| (plus the dtype's smallest normal)."""
+def _within_ulps(
+    got: torch.Tensor, want: torch.Tensor, ulps: float = 1.0, terms: torch.Tensor | None = None
+) -> bool:
+    """|got - want| <= ulps x one ulp of got's dtype at |want|, plus ``terms`` (a bound of the
+    float32 error before the final rounding, for elements where the summed terms cancel), plus the
+    dtype's smallest normal."""
     eps = torch.finfo(got.dtype).eps
     tiny = torch.finfo(got.dtype).tiny
     diff = (got.double() - want.double()).abs()
-    return bool(torch.all(diff <= ulps * eps * want.double().abs() + tiny))
+    bound = ulps * eps * want.double().abs() + tiny
+    if terms is not None:
+        bound = bound + terms.double()
+    return bool(torch.all(diff <= bound))
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -231,7 +239,16 @@ def test_rmsnorm_forward_backward_compiled_equal_references():
     dy = _randn(T, H, seed=20, dtype=torch.bfloat16)
     dx, dw = fused.rmsnorm_backward(dy, x, w, rstd)
     dx_ref, dw_ref = fused.rmsnorm_backward_reference(dy, x, w, rstd)
-    assert _within_ulps(dx, dx_ref.float(), ulps=2)
+    # dx = rstd (w dy - xhat mean(w dy xhat)): where the two terms cancel, the float32 error of
+    # their difference (a few eps32 of the terms' size) exceeds one bf16 ulp of the small result
+    xhat, wdy = x.double() * rstd.double()[:, None], w.double() * dy.double()
+    cancel = (
+        8
+        * F32_EPS
+        * rstd.double()[:, None]
+        * (wdy.abs() + xhat.abs() * (wdy * xhat).abs().mean(1, keepdim=True))
+    )
+    assert _within_ulps(dx, dx_ref.float(), terms=cancel)
     # dw: a float32 sum over T tokens (partials per program), rounded once to bf16
     assert _within_ulps(dw, dw_ref.float(), ulps=1 + T * F32_EPS / BF16_ULP)
 
@@ -243,7 +260,9 @@ def test_moe_sum_and_rotary_compiled_equal_references():
     r = _randn(T, H, seed=21, dtype=torch.bfloat16)
     y = _randn(T, k, H, seed=22, dtype=torch.bfloat16)
     w = torch.softmax(_randn(T, k, seed=23), -1)
-    assert _within_ulps(fused.moe_sum(r, y, w), fused.moe_sum_reference(r, y, w).float())
+    # a float32 sum of k + 1 terms in another order: (k + 1) eps32 x the terms' magnitudes
+    terms = (k + 1) * F32_EPS * (r.double().abs() + (y.double().abs() * w.double()[:, :, None]).sum(1))
+    assert _within_ulps(fused.moe_sum(r, y, w), fused.moe_sum_reference(r, y, w).float(), terms=terms)
     dy, dw = fused.moe_sum_backward(r, y, w)
     dy_ref, dw_ref = fused.moe_sum_backward_reference(r, y, w)
     assert _within_ulps(dy, dy_ref.float())
@@ -252,9 +271,12 @@ def test_moe_sum_and_rotary_compiled_equal_references():
     x = _randn(2 * 4096, 32, 128, seed=24, dtype=torch.bfloat16)
     angles = torch.arange(4096, device="cuda")[:, None] * 10000.0 ** (-torch.arange(64, device="cuda") / 64)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    # each output is x_i c +- x_j s, two float32 products and a sum: 2 eps32 (|x_i| + |x_j|)
+    terms = 2 * F32_EPS * (x.double().abs() + x.double().roll(64, dims=-1).abs())
     for backward in (False, True):
         got = fused.rotary(x, cos, sin, backward=backward)
-        assert _within_ulps(got, fused.rotary_reference(x, cos, sin, backward=backward).float())
+        want = fused.rotary_reference(x, cos, sin, backward=backward)
+        assert _within_ulps(got, want.float(), terms=terms)
 
 
 def test_cross_entropy_compiled_equals_reference_at_the_qwen3_vocab():
@@ -322,7 +344,7 @@ def test_expert_sort_permute_and_scatter_compiled_equal_references():
 # attention backends
 
 
-@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION"])  # the ones with GQA
 def test_sdpa_backends_match_float32_math_attention(backend):
     from fmoe.stages.layers import causal_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel

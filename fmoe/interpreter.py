@@ -32,6 +32,11 @@ reaches them) is in {5, 1}, at most one stage per role, so a cycle of the tokens
 each side; "B3i" runs an input-only B (its W waits for a "W3" token). On CPU the order runs
 sequentially; putting comm stages on a side CUDA stream is left for later.
 
+Ownership (``fmoe.stage``'s rules): a chunk's carry and input gradients go to the rank's other chunk
+as the same tensor objects, and to a SEND as buffers the send reads until it is waited on; nothing
+here writes them. Only ``grads`` (this rank's accumulator, built by ``runner.accumulate`` from W's
+results) is written in place.
+
 Failures: see ``fmoe.dist`` (a failure key in the group's store that blocked ranks poll).
 """
 

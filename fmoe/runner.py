@@ -83,8 +83,10 @@ def mean_loss(microbatch_losses: Sequence[Tensor]) -> Tensor:
 def accumulate(total: dict[str, Tensor], grads: Mapping[str, Tensor]) -> None:
     """total[name] += grads[name], in place, creating entries as needed.
 
-    Takes ownership of the tensors of ``grads`` (fresh W/B results): the first one of a name becomes
-    the accumulator, so a step's gradients are not copied once more.
+    Takes ownership of the tensors of ``grads``: the first one of a name becomes the accumulator, so
+    a step's gradients are not copied once more. That is sound for W's results (``backward_weight``,
+    ``merged_weight_grads``), which share memory with nothing else (rule 2 of ``fmoe.stage``'s
+    ownership rules); pass other tensors only if nothing else reads them until the step's end.
     """
     for name, g in grads.items():
         if name in total:

@@ -15,18 +15,59 @@ Why autograd and not ``torch.func.vjp``: a vjp materialises a zero gradient for 
 weight (a weight-sized write per stage call) and, measured on this CPU, costs 155 us per call
 against 54 us for ``torch.autograd.grad`` on a tiny stage; the stage functions stay pure, so
 ``torch.func`` transforms still apply to them directly (the tests use ``torch.func`` as a reference).
+
+Ownership: who may write which tensor. Autograd hands back one tensor object wherever a gradient
+passes through unchanged (``x + p["pos"]`` with ``pos`` shaped like ``x`` gives ``x`` and ``pos``
+the same gradient object; ``sum`` gives an expanded view of its seed), so these rules hold for every
+tensor that crosses F, B and W, in ``fmoe.runner``, ``fmoe.interpreter`` and the optimizer:
+
+1. Read-only, by everyone, until the step's last W has run: params and inputs given to F; F's
+   outputs (the next stage's inputs; the interpreter hands the same objects from one chunk to
+   another of its rank, or sends them); the grad_outputs given to B and the grad_inputs B returns
+   (the previous stage's grad_outputs, again the same objects on one rank). Any of these may be the
+   same object as, or share memory with, another of them, and W's deferred GEMMs (and the expert
+   GEMMs a step merges, ``merge_later``) read some of them after later Bs have run.
+2. Owned by the caller: the tensors of W's result (``backward_weight``, which includes the
+   gradients B already had, ``WeightGradWork.partial``). None shares memory with a tensor of rule 1,
+   with W's pending GEMMs, with another result or with itself, so the caller may add into them in
+   place: ``runner.accumulate`` adopts the first gradient of a name as the accumulator, and the
+   optimizer overwrites its gradients (buffer donation).
+3. ``into`` (W's accumulator, owned by the caller by rule 2): W adds dense GEMMs into its tensors in
+   place (a GEMM with beta = 1, or a product and an add when the accumulator shares memory with the
+   GEMM's operands), and the GEMM of a parameter view into the view's slice.
+
+B enforces rule 2: a partial gradient whose storage is that of a grad_output or loss seed, a
+grad_input, the output gradient of a taped GEMM or an earlier partial, or that overlaps itself, is
+cloned. Those are all it can share memory with: autograd's formulas return new tensors or views of
+the gradients they receive, never an activation or a parameter. The check compares storage pointers
+(about ten for a stage with partial gradients, none for the others) and copies nothing when no
+alias exists, the ordinary case (norm weights, embeddings).
+A ``CustomGrad`` stage's W results get the same check at W time, against the tensors its B saved
+for W (all a hand-written W can return besides fresh tensors) and its params.
+
+Parameter views: ``linear(x, p["qkv"].chunk(3)[0])`` (or ``grouped_linear`` on a view of an expert
+weight, FP8 or not) defers its GEMM like one on the whole parameter; W adds it into the view's slice
+of the parameter's gradient (creating a zero gradient first when none exists yet). Expert GEMMs on
+views run in W rather than in a step's merged GEMM (``merge_later`` holds whole parameters).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
-from fmoe.stages.primitives import DenseWeightGrad, GroupedWeightGrad, WeightGradTape, defer_weight_grads
+from fmoe.stages.primitives import (
+    DenseWeightGrad,
+    GroupedWeightGrad,
+    WeightGradTape,
+    defer_weight_grads,
+    non_overlapping,
+)
 from fmoe.stages.spec import Stage, StageContext
 
 
@@ -75,6 +116,18 @@ class WeightGradWork:
 
 def _is_differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+def _own(grads: dict[str, Tensor], shared: Iterable[Tensor | None]) -> None:
+    """Make ``grads`` the caller's (rule 2 of the module docstring), in place: clone each gradient that
+    shares a storage with a tensor of ``shared`` or an earlier gradient, or that overlaps itself."""
+    seen = {t.untyped_storage().data_ptr() for t in shared if t is not None}
+    for name, g in grads.items():
+        ptr = g.untyped_storage().data_ptr()
+        if ptr in seen or not non_overlapping(g):
+            g = grads[name] = g.clone(memory_format=torch.contiguous_format)
+            ptr = g.untyped_storage().data_ptr()
+        seen.add(ptr)
 
 
 def stage_params(stage: Stage, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -139,7 +192,7 @@ def forward(
     )
     leaf_inputs = tuple(leaf if leaf is not None else t for leaf, t in zip(input_leaves, inputs))
     local = _StageParams(stage, {stage.local_name(n): t for n, t in param_leaves.items()})
-    tape = WeightGradTape()
+    tape = WeightGradTape(param_ids=frozenset(id(leaf) for leaf in param_leaves.values()))
     with torch.enable_grad(), defer_weight_grads(tape):
         outputs = _check_outputs(stage, stage.forward(local, leaf_inputs, ctx))
     fwd = Forwarded(stage, ctx, outputs, input_leaves, param_leaves, tape=tape)
@@ -194,6 +247,8 @@ def backward_input(
     ):
         if g is not None:
             work.partial[name] = g
+    if work.partial:  # rule 2: what W returns shares memory with nothing B hands on or keeps
+        _own(work.partial, (*grads_out, *grad_inputs, *(compute.dy for _, compute in fwd.tape.entries)))
     # the graph is gone; free the leaves' references early
     fwd.outputs, fwd.input_leaves, fwd.tape = (), (), None
     return grad_inputs, work
@@ -216,14 +271,23 @@ def backward_weight(
     stage = work.stage
     if stage.custom is not None:
         local_grads = stage.custom.backward_weight(work.params, work.custom_saved)
-        return {stage.prefix + k: g for k, g in local_grads.items()}
+        grads = {stage.prefix + k: g for k, g in local_grads.items()}
+        # rule 2: what its W returns may be what its B saved (and handed on), or a parameter
+        kept = [t for t in pytree.tree_leaves(work.custom_saved) if isinstance(t, Tensor)]
+        _own(grads, (*kept, *work.params.values()))
+        return grads
     grads = dict(work.partial)
     for weight, compute in work.tape.entries:
-        name = work.names.get(id(weight))
+        base = weight._base  # a view of a parameter: its gradient is a slice of the parameter's
+        name = work.names.get(id(weight if base is None else base))
         if name is None:
             raise StageError(
                 f"stage {stage.name!r}: a deferred weight GEMM used a tensor that is not one of its params"
             )
+        if base is not None:
+            with torch.no_grad():
+                _add_to_slice(grads, into, name, base, weight, compute)
+            continue
         if merge_later is not None and isinstance(compute, GroupedWeightGrad):
             merge_later.setdefault(name, []).append(compute)
             continue
@@ -236,3 +300,35 @@ def backward_weight(
         grads[name] = grads[name] + g if name in grads else g
     work.tape.entries.clear()
     return grads
+
+
+def _add_to_slice(
+    grads: dict[str, Tensor],
+    into: dict[str, Tensor] | None,
+    name: str,
+    base: Tensor,
+    view: Tensor,
+    compute: DenseWeightGrad | GroupedWeightGrad,
+) -> None:
+    """Add a deferred GEMM's gradient of ``view`` (a view of the parameter leaf ``base``) into the
+    matching slice of the parameter's gradient: ``into[name]`` if the caller has one, else
+    ``grads[name]`` (ours by rule 2), else a new zero gradient in ``grads``."""
+    total = into.get(name) if into is not None else None
+    if total is None:
+        total = grads.get(name)
+    if total is None:
+        total = grads[name] = torch.zeros_like(base)  # base's strides (a parameter is dense)
+    if total.shape == base.shape and total.stride() == base.stride():
+        offset = total.storage_offset() + view.storage_offset() - base.storage_offset()
+        region = total.as_strided(view.shape, view.stride(), offset)
+        if isinstance(compute, DenseWeightGrad):
+            compute.accumulate_into(region)
+        else:
+            region.add_(compute())
+        return
+    # a gradient laid out unlike the parameter: place the slice in a buffer laid out like the
+    # parameter (its memory from its first element on), then add that
+    span = 1 + sum((n - 1) * st for n, st in zip(base.shape, base.stride()))
+    full = total.new_zeros(span)
+    full.as_strided(view.shape, view.stride(), view.storage_offset() - base.storage_offset()).copy_(compute())
+    total.add_(full.as_strided(base.shape, base.stride(), 0))

@@ -8,13 +8,18 @@ those GEMMs. B + W thus do the work of one ordinary backward, no more.
 
 The tape is scoped: each F call makes its own, the primitives bind to it when they run forward (so
 the backward finds it on whatever thread autograd runs it), and B hands it to W as a value.
+
+Which weights are deferred: a parameter of the stage (a leaf of F's params dict) or a view of one
+(``w_q, w_k = p["qk"].chunk(2)``, ``p["gate_up"][:, :inter]``, ``p["w"].t()``): W adds the GEMM into
+the view's slice of the parameter's gradient. Any other weight (``p["w"] * 2``, ``p["w"].to(bf16)``,
+an input of the stage) gets its gradient in B through autograd, as a plain matmul would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +37,7 @@ __all__ = [
     "fp8_training",
     "linear",
     "merge_grouped_weight_grads",
+    "non_overlapping",
 ]
 
 
@@ -39,15 +45,48 @@ __all__ = [
 class WeightGradTape:
     """The weight GEMMs B left for W: one entry per primitive call, in backward order.
 
-    Each entry is ``(weight, compute)``: ``weight`` is the leaf tensor the stage read from its params
-    dict (so the machinery maps it back to the parameter's name) and ``compute()`` returns its
-    gradient, shaped like ``weight``. A primitive with a hand-written backward (FP8) records its own.
+    Each entry is ``(weight, compute)``: ``weight`` is the tensor the stage passed to the primitive -
+    a parameter leaf of its params dict or a view of one (``weight._base`` is then the leaf), so the
+    machinery maps it back to the parameter's name and slice - and ``compute()`` returns its
+    gradient, shaped like ``weight``. ``compute`` is data (``x``, ``dy`` fields), never a closure, so
+    the machinery sees which tensors W will still read.
+
+    param_ids: ``id`` of each parameter leaf whose GEMMs may be deferred (:meth:`defers`); the stage
+    machinery fills it in F, while the leaves are alive. Empty: nothing is deferred.
     """
 
-    entries: list[tuple[Tensor, Callable[[], Tensor]]] = field(default_factory=list)
+    entries: list[tuple[Tensor, DenseWeightGrad | GroupedWeightGrad]] = field(default_factory=list)
+    param_ids: frozenset[int] = frozenset()
 
-    def record(self, weight: Tensor, compute: Callable[[], Tensor]) -> None:
+    def defers(self, weight: Tensor) -> bool:
+        """Whether the weight GEMM of ``weight`` goes on this tape: ``weight`` is a parameter leaf, or a
+        view of one with the leaf's dtype whose elements are distinct (so its gradient is a slice)."""
+        if id(weight) in self.param_ids:
+            return True
+        base = weight._base
+        return (
+            base is not None
+            and id(base) in self.param_ids
+            and weight.dtype == base.dtype
+            and non_overlapping(weight)
+        )
+
+    def record(self, weight: Tensor, compute: DenseWeightGrad | GroupedWeightGrad) -> None:
         self.entries.append((weight, compute))
+
+
+def non_overlapping(t: Tensor) -> bool:
+    """True only if no two elements of ``t`` share memory: False for an expanded tensor (the gradient
+    autograd gives a ``sum``'s input), and for rare layouts that interleave without overlapping. A
+    test on sizes and strides, free for contiguous tensors."""
+    if t.is_contiguous():
+        return True
+    extent = 1  # elements spanned by the dims seen so far, smallest stride first
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < extent:
+            return False
+        extent += (size - 1) * stride
+    return True
 
 
 _FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
@@ -60,6 +99,12 @@ _ACTIVE_TAPE: contextvars.ContextVar[WeightGradTape | None] = contextvars.Contex
 def active_tape() -> WeightGradTape | None:
     """The tape of the F step running now, or None under plain autograd."""
     return _ACTIVE_TAPE.get()
+
+
+def _tape_for(weight: Tensor) -> WeightGradTape | None:
+    """The tape that takes ``weight``'s GEMM, or None: autograd computes its gradient in B."""
+    tape = _ACTIVE_TAPE.get()
+    return tape if tape is not None and tape.defers(weight) else None
 
 
 @contextlib.contextmanager
@@ -100,7 +145,15 @@ def _quantize_weight(w: Tensor):
 
 
 def _fp8_weight(w: Tensor, cache: dict):
-    key = (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), w.dtype, w._version)
+    # strides too: a view (``w.t()``, a slice of a fused weight) is another weight on the same storage
+    key = (
+        w.untyped_storage().data_ptr(),
+        w.storage_offset(),
+        tuple(w.shape),
+        w.stride(),
+        w.dtype,
+        w._version,
+    )
     if key not in cache:
         cache[key] = _quantize_weight(w.detach())
     return cache[key]
@@ -176,13 +229,29 @@ class DenseWeightGrad:
 
     x: Tensor
     dy: Tensor
+    fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
+    out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's
 
     def __call__(self) -> Tensor:
+        if self.fp8:
+            from fmoe.kernels.fp8_linear import fp8_linear_weight_grad
+
+            return fp8_linear_weight_grad(self.x, self.dy, out_dtype=self.out_dtype or self.dy.dtype)
         return self.dy.t() @ self.x
 
     def accumulate_into(self, total: Tensor) -> None:
-        """total += dy^T @ x in place (one GEMM with beta = 1); total [m, k] of dy's dtype."""
-        total.addmm_(self.dy.t(), self.x)
+        """total += dy^T @ x in place; total [m, k] (or a slice of a larger gradient) of dy's dtype.
+
+        One GEMM with beta = 1, unless the GEMM is FP8 or ``total`` shares memory with x or dy (a
+        GEMM must not write what it reads): then the product is formed first and added."""
+        if self.fp8 or _same_storage(total, self.x) or _same_storage(total, self.dy):
+            total.add_(self())
+        else:
+            total.addmm_(self.dy.t(), self.x)
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @torch.no_grad()
@@ -235,7 +304,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         ctx.weight = w  # the caller's tensor itself, so the tape can name it
         # read the tape here, in the forward's thread: CUDA backward runs on autograd's own threads
-        ctx.tape = _ACTIVE_TAPE.get()
+        ctx.tape = _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -261,7 +330,7 @@ class _GroupedLinear(torch.autograd.Function):
         x, w, offs = inputs
         ctx.save_for_backward(x, w, offs)
         ctx.weight = w
-        ctx.tape = _ACTIVE_TAPE.get()
+        ctx.tape = _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -292,11 +361,11 @@ class _Fp8Linear(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         x, w, w_fp8 = inputs
         ctx.save_for_backward(x)
-        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _ACTIVE_TAPE.get()
+        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        from fmoe.kernels.fp8_linear import fp8_linear_input_grad, fp8_linear_weight_grad
+        from fmoe.kernels.fp8_linear import fp8_linear_input_grad
 
         (x,) = ctx.saved_tensors
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -307,8 +376,7 @@ class _Fp8Linear(torch.autograd.Function):
         )
         if not ctx.needs_input_grad[1]:
             return dx, None, None
-        dtype = ctx.weight.dtype
-        compute = lambda: fp8_linear_weight_grad(x2, dy2, out_dtype=dtype)  # noqa: E731
+        compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
             return dx, None, None
@@ -326,7 +394,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     def setup_context(ctx, inputs, output) -> None:
         x, w, offs, w_fp8 = inputs
         ctx.save_for_backward(x, offs)
-        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _ACTIVE_TAPE.get()
+        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 # Triton picks interpreter or compiler when a kernel is defined: set the flag before anything
-# imports triton, so every kernel test in the session runs interpreted on the CPU. Training code
-# on CPU tensors never takes the Triton path (kernels dispatch to Triton on CUDA only).
+# imports triton, so every kernel test in the session runs interpreted on the CPU. Under it the FP8
+# kernels (quantization, GEMMs) take Triton on CPU tensors too, unless FMOE_KERNEL_BACKEND=torch;
+# the layers' fused kernels (norms, SwiGLU, cross-entropy) take Triton on CUDA tensors only.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_batch, tiny_config
+from conftest import random_batch, relative_error, tiny_config
 from fmoe.schedules import ScheduleError, generate, read_csv, validate
 from fmoe.stages import qwen3_moe
 
@@ -30,20 +30,19 @@ def config(aux: float):
     return tiny_config(num_hidden_layers=4, mlp_only_layers=(0,), router_aux_loss_coef=aux)
 
 
-def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    if a.norm() == 0 or b.norm() == 0:
-        return 0.0 if a.norm() == b.norm() else 1.0
-    return (1 - (a @ b) / (a.norm() * b.norm())).item()
+# float32 gradients summed over at most 8 microbatches in another order than the sequential run's:
+# each element is off by at most ~8 float32 roundings (8 x 2^-24 = 4.8e-7) relative to its magnitude
+GRAD_RTOL = 1e-6
 
 
 def compare(result, ref, names) -> dict:
+    """Plain numbers for the tests: bitwise loss checks and each gradient's relative error."""
     return {
         "loss_equal": torch.equal(result.loss, ref.loss),
-        "mb_losses_equal": all(torch.equal(a, b) for a, b in zip(result.microbatch_losses, ref.microbatch_losses)),
+        "mb_losses_equal": all(torch.equal(a, b) for a, b in zip(result.microbatch_losses, ref.microbatch_losses, strict=True)),
         "same_names": sorted(result.grads) == sorted(names),
-        "worst_cosine": max(cosine_distance(g, ref.grads[n]) for n, g in result.grads.items()),
-        "routers": {n: (result.grads[n].abs().max().item(), cosine_distance(result.grads[n], ref.grads[n]))
+        "worst_rel": max(relative_error(g, ref.grads[n]) for n, g in result.grads.items()),
+        "routers": {n: (result.grads[n].abs().max().item(), relative_error(result.grads[n], ref.grads[n]))
                     for n in ROUTERS if n in result.grads},
     }  # fmt: skip
 
@@ -79,8 +78,9 @@ def worker(rank: int, world: int, group, microbatches: int, extras: bool) -> dic
             local = {n: params[n] for n in names}
             result = I.pipeline_step(schedule, model, local, batch, group)
             case = compare(result, ref, names)
-            # the aux loss's own contribution to each router gradient
-            case["aux_part"] = {n: cosine_distance(result.grads[n] - seq_off.grads[n], ref.grads[n] - seq_off.grads[n])
+            # the aux loss's own contribution to each router gradient, and its share of the gradient
+            case["aux_part"] = {n: (relative_error(result.grads[n] - seq_off.grads[n], ref.grads[n] - seq_off.grads[n]),
+                                    relative_error(ref.grads[n], seq_off.grads[n]))
                                 for n in ROUTERS if n in result.grads and aux}  # fmt: skip
             out[(name, aux)] = case
     if extras:
@@ -135,7 +135,7 @@ def test_pipelined_loss_bitwise_equals_sequential_and_grads_match(runs, name, pp
         case = value[(name, aux)]
         assert case["loss_equal"] and case["mb_losses_equal"], f"rank {rank}"
         assert case["same_names"], f"rank {rank} returned gradients for other parameters than it holds"
-        assert case["worst_cosine"] < 1e-12, f"rank {rank}: cosine distance {case['worst_cosine']}"
+        assert case["worst_rel"] <= GRAD_RTOL, f"rank {rank}: gradient relative error {case['worst_rel']}"
 
 
 @pytest.mark.parametrize("pp", [2, 4])
@@ -144,18 +144,23 @@ def test_router_aux_loss_gradient_reaches_every_router(runs, name, pp):
     seen = set()
     for value in runs[pp]:
         case = value[(name, 0.01)]
-        for n, (peak, dist) in case["routers"].items():
+        for n, (peak, rel) in case["routers"].items():
             seen.add(n)
-            assert peak > 0 and dist < 1e-12, n
-        for n, dist in case["aux_part"].items():
-            assert dist < 1e-6, f"{n}: the aux loss's part of the gradient is off by cosine distance {dist}"
+            assert peak > 0 and rel <= GRAD_RTOL, (n, rel)
+        for n, (rel, share) in case["aux_part"].items():
+            # share = ||ref - off|| / ||off||; the aux part (ref - off) is off by ||result - ref|| <=
+            # GRAD_RTOL ||ref|| <= GRAD_RTOL (1 + share) ||off||, so relative to itself by the bound below
+            assert share > 1e-3, f"{n}: the aux loss changes the router gradient by only {share}"
+            assert rel <= GRAD_RTOL * (1 + share) / share, (
+                f"{n}: the aux loss's part of the gradient is off by {rel}"
+            )
     assert seen == set(ROUTERS)
 
 
 def test_handwritten_csv_table_with_fb_and_explicit_transfers_matches_sequential(runs):
     for value in runs[2]:
         case = value["csv"]
-        assert case["loss_equal"] and case["same_names"] and case["worst_cosine"] < 1e-12
+        assert case["loss_equal"] and case["same_names"] and case["worst_rel"] <= GRAD_RTOL, case
 
 
 def test_invalid_table_fails_on_every_rank_before_any_compute(runs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_batch, tiny_config
+from conftest import random_batch, relative_error, tiny_config
 from fmoe.schedules import generate
 from fmoe.stages import qwen3_moe
 
@@ -79,10 +79,6 @@ def reference(sizes):
     return losses, first, params
 
 
-def relative(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
 @pytest.mark.parametrize(
     "sizes", [(1, 2, 1, 1), (1, 1, 2, 1), (1, 2, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (1, 2, 2, 2)], ids=str
 )
@@ -97,10 +93,13 @@ def test_mesh_matches_the_single_process_reference(sizes):
     # differs from the reference's, so equal to float32 rounding, not bitwise
     for mine, theirs in zip(ours["losses"], ref_losses):
         assert abs(mine.item() - theirs.item()) <= 1e-6 * abs(theirs.item())
+    # float32 gradients summed over up to dp x cp x ep = 8 ranks and their microbatches in another
+    # order than the reference's (~16 roundings of 2^-24 = 1e-6 per element); three AdamW steps after
+    # a clip by the global norm pass that on, scaled by lr / sqrt(v): 1e-5 leaves a factor of 10
     for name, g in ref_grads.items():
-        assert relative(ours["grads"][name], g) <= 1e-5, name
+        assert relative_error(ours["grads"][name], g) <= 1e-5, name
     for name, p in ref_params.items():
-        assert relative(ours["params"][name], p) <= 1e-5, name
+        assert relative_error(ours["params"][name], p) <= 1e-5, name
     for r in results:  # every rank holds exactly its shard of params and optimizer state
         assert r.value["numels"] == r.value["expected"]
         assert r.value["state_numels"] == {f"exp_avg/{n}": v for n, v in r.value["expected"].items()}

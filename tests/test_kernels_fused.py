@@ -138,7 +138,8 @@ def test_rotary_matches_plain_rope_and_its_transpose(rows):
     cos, sin = _randn(rows, d, seed=12), _randn(rows, d, seed=13)
     out = fused.rotary(x, cos, sin)
     # float32 x*cos + rot(x)*sin: two products and a sum, each rounded once (u/2 relative, u = float32
-    # eps), so |out - exact| <= u * (|x||cos| + |rot x||sin|) elementwise, whatever the CPU
+    # eps), so |out - exact| <= u * (|x||cos| + |rot x||sin|) elementwise, whatever the CPU (1.01: the
+    # second-order u^2 terms; an FMA only lowers the error)
     half = d // 2
     magnitude = (
         x.abs().double() * cos.abs().repeat(T // rows, 1)[:, None].double()
@@ -146,7 +147,7 @@ def test_rotary_matches_plain_rope_and_its_transpose(rows):
         * sin.abs().repeat(T // rows, 1)[:, None].double()
     )
     assert torch.all(
-        (out.double() - _rotary_plain(x, cos, sin)).abs() <= torch.finfo(torch.float32).eps * magnitude
+        (out.double() - _rotary_plain(x, cos, sin)).abs() <= 1.01 * torch.finfo(torch.float32).eps * magnitude
     )
     assert torch.equal(out, fused.rotary_reference(x, cos, sin))
     # backward=True is the transpose: <rotary(x), g> == <x, rotary(g, backward=True)>

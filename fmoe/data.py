@@ -56,7 +56,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id
 # text, and a shard's tokens go to its file as they come, so a worker holds O(_BATCH_CHARS) text and
 # tokens (plus, for .jsonl, the one JSON line it is reading) - not O(shard) nor O(document).
 _TEXT_CHUNK = 1 << 16
-_BATCH_CHARS = 1 << 20
+_BATCH_CHARS = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------------

@@ -320,23 +320,29 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # L
 """
 
 
-def test_a_long_single_line_builds_in_bounded_memory_in_shards_of_shard_size(tmp_path):
-    """Defect 6: a 3 MB text without a newline went to the tokenizer in one call (~150 bytes of
-    memory per input byte: ~450 MB here) into one shard, whatever --shard-size. Now the text is
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_long_single_line_builds_in_bounded_memory_in_shards_of_shard_size(tmp_path, suffix):
+    """Defect 6: a 5.8 MB text without a newline went to the tokenizer in one call (~65 bytes of
+    memory per input byte: its peak grew by 384 MB here) into one shard, whatever --shard-size. Now the text is
     cut into bounded parts: the build's peak memory grows by a bounded amount (the bound is set by
-    _TEXT_CHUNK / _BATCH_CHARS, not by the input), and the shards follow shard_size."""
+    _TEXT_CHUNK / _BATCH_CHARS, not by the input), and a .txt's shards follow shard_size. A .jsonl
+    line is one JSON document, read whole (a few times its size) but tokenized in bounded parts;
+    it stays in one shard."""
     from tokenizers import Tokenizer
 
     inputs, _ = _corpus(tmp_path)
     tok = data.train_tokenizer(inputs, 300, tmp_path / "tok.json")
     rng = np.random.default_rng(1)
     words = ["alpha", "beta", "gamma", "délta", "mixture", "of", "experts", "\N{GREEK SMALL LETTER PI}"]
-    line = " ".join(rng.choice(words, size=500_000))  # ~3.3 MB, no newline
-    (tmp_path / "line.txt").write_text(line, encoding="utf-8")
+    line = " ".join(rng.choice(words, size=1_000_000))  # 5.8 MB, no newline
+    source = tmp_path / f"line{suffix}"
+    if suffix == ".txt":
+        source.write_text(line, encoding="utf-8")
+    else:
+        source.write_text(json.dumps({"text": line}, ensure_ascii=False) + "\n", encoding="utf-8")
     shard_size = 1 << 20
     child = subprocess.run(
-        [sys.executable, "-c", MEASURE_BUILD, str(tmp_path / "line.txt"), str(tok), str(tmp_path / "ds"),
-         str(shard_size)],
+        [sys.executable, "-c", MEASURE_BUILD, str(source), str(tok), str(tmp_path / "ds"), str(shard_size)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
@@ -344,7 +350,8 @@ def test_a_long_single_line_builds_in_bounded_memory_in_shards_of_shard_size(tmp
     assert peak_growth < 64 << 20, f"peak memory grew by {peak_growth / 2**20:.0f} MiB"
     index = json.loads((tmp_path / "ds" / "index.json").read_text())
     n_bytes = len(line.encode("utf-8"))
-    assert len(index["shards"]) == -(-n_bytes // shard_size)  # cut at shard_size, not at line ends
+    expected_shards = -(-n_bytes // shard_size) if suffix == ".txt" else 1  # .txt: cut at shard_size
+    assert len(index["shards"]) == expected_shards
     ids = _stream(tmp_path / "ds")
     assert ids[-1] == index["eos_id"] and (ids == index["eos_id"]).sum() == 1  # still one document
     assert Tokenizer.from_file(str(tok)).decode(ids[:-1].tolist()) == line  # no character was split

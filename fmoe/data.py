@@ -183,8 +183,11 @@ def build(
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into packed shards in ``out_dir`` with ``workers`` processes; return the index.
 
-    shard_size: bytes of input text per shard (input files are cut at line ends; small files are
-    packed together). Resumable: run it again after a crash and finished shards are kept as they are
+    shard_size: bytes of input text per shard (small files are packed together). Files are cut at
+    line ends; a .txt without one in the next _TEXT_CHUNK bytes is cut at a whitespace or between
+    UTF-8 characters, so its shards stay within shard_size + _TEXT_CHUNK bytes whatever its line
+    lengths; a .jsonl line is one document and is never cut. Memory is bounded likewise (see
+    _TEXT_CHUNK), not by a shard's or a line's size (a .jsonl line is held whole while it is read). Resumable: run it again after a crash and finished shards are kept as they are
     (their files are not rewritten); a directory holding another build is refused. on_shard(index,
     tokens) is called in this process after each shard is committed (progress, tests).
     With workers > 1 the shards are tokenized in spawned processes: a script calling this must

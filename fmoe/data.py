@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -48,7 +49,14 @@ FORMAT, VERSION = "fmoe-tokens", 1
 BYTES_VOCAB, BYTES_EOS = 257, 256
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
-_TEXT_CHUNK = 1 << 20  # characters per tokenizer call for long .txt documents (bounds its memory)
+# Memory bounds of a build, whatever the line lengths of its inputs. A tokenizer call gets at most
+# _TEXT_CHUNK bytes (.txt) or characters (.jsonl) of a document: longer documents are cut at a safe
+# boundary (after a newline, else before a whitespace, else between UTF-8 characters) into pieces
+# tokenized one after another. A call to the tokenizer's batch encoder gets at most _BATCH_CHARS of
+# text, and a shard's tokens go to its file as they come, so a worker holds O(_BATCH_CHARS) text and
+# tokens (plus, for .jsonl, the one JSON line it is reading) - not O(shard) nor O(document).
+_TEXT_CHUNK = 1 << 16
+_BATCH_CHARS = 1 << 18
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,8 +183,11 @@ def build(
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into packed shards in ``out_dir`` with ``workers`` processes; return the index.
 
-    shard_size: bytes of input text per shard (input files are cut at line ends; small files are
-    packed together). Resumable: run it again after a crash and finished shards are kept as they are
+    shard_size: bytes of input text per shard (small files are packed together). Files are cut at
+    line ends; a .txt without one in the next _TEXT_CHUNK bytes is cut at a whitespace or between
+    UTF-8 characters, so its shards stay within shard_size + _TEXT_CHUNK bytes whatever its line
+    lengths; a .jsonl line is one document and is never cut. Memory is bounded likewise (see
+    _TEXT_CHUNK), not by a shard's or a line's size (a .jsonl line is held whole while it is read). Resumable: run it again after a crash and finished shards are kept as they are
     (their files are not rewritten); a directory holding another build is refused. on_shard(index,
     tokens) is called in this process after each shard is committed (progress, tests).
     With workers > 1 the shards are tokenized in spawned processes: a script calling this must
@@ -276,17 +287,21 @@ _TOKENIZERS: dict[str, Any] = {}  # per process: tokenizer.json path -> loaded t
 
 
 def _build_shard(job: tuple[int, list[_Piece], str, str, TokenizerSpec]) -> tuple[int, int]:
-    """Tokenize one shard's pieces and commit ``shard_<i>.bin`` (temp file, fsync, rename)."""
+    """Tokenize one shard's pieces into ``shard_<i>.bin`` (temp file written as tokens come, fsync,
+    rename). Memory: O(_BATCH_CHARS), whatever the shard size (see _TEXT_CHUNK)."""
     index, pieces, out_dir, dtype, spec = job
     if spec.kind == "hf" and spec.path not in _TOKENIZERS:
         from tokenizers import Tokenizer
 
         _TOKENIZERS[spec.path] = Tokenizer.from_file(spec.path)
-    eos = np.array([spec.eos_id], dtype=dtype)
-    arrays: list[np.ndarray] = []
+    stored = np.dtype(dtype).newbyteorder("<")
+    eos = np.array([spec.eos_id], dtype=stored)
     batch: list[tuple[str | bytes, bool]] = []
+    batch_chars = 0
+    n_tokens = 0
 
-    def flush() -> None:
+    def flush(out: Any) -> None:
+        nonlocal batch_chars, n_tokens
         if spec.kind == "bytes":
             encoded = [
                 np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), np.uint8) for t, _ in batch
@@ -302,23 +317,23 @@ def _build_shard(job: tuple[int, list[_Piece], str, str, TokenizerSpec]) -> tupl
                 raise ValueError(
                     f"tokenizer {spec.path} produced id {int(ids.max())} >= its vocab_size {spec.vocab_size}"
                 )
-            arrays.append(ids.astype(dtype))
+            out.write(ids.astype(stored).tobytes())
+            n_tokens += int(ids.size)
             if ends_doc:
-                arrays.append(eos)
+                out.write(eos.tobytes())
+                n_tokens += 1
         batch.clear()
+        batch_chars = 0
 
-    for piece in pieces:
-        for item in _piece_texts(piece):
-            batch.append(item)
-            if len(batch) >= 512:
-                flush()
-    flush()
-    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype)
-    final = Path(out_dir) / _shard_name(index)
-    _write_atomic(
-        final, tokens.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes(), tmp_prefix="."
-    )
-    return index, int(tokens.size)
+    with _atomic_file(Path(out_dir) / _shard_name(index)) as out:
+        for piece in pieces:
+            for item in _piece_texts(piece):
+                batch.append(item)
+                batch_chars += len(item[0])
+                if len(batch) >= 512 or batch_chars >= _BATCH_CHARS:
+                    flush(out)
+        flush(out)
+    return index, n_tokens
 
 
 def _shard_name(index: int) -> str:
@@ -367,12 +382,65 @@ def _pieces(path: Path, shard_size: int) -> Iterator[tuple[_Piece, int]]:
         while start < total:
             stop = start + shard_size
             if stop < total:
-                f.seek(stop - 1)
-                f.readline()  # cut after a line end (the one at stop - 1 if it is one)
-                stop = f.tell()
+                stop = _cut_after(f, path, start, stop, total)
             stop = min(stop, total)
             yield _Piece(str(path), start, stop, path.suffix == ".txt" and stop == total), stop - start
             start = stop
+
+
+def _cut_after(f: Any, path: Path, start: int, stop: int, total: int) -> int:
+    """Where a piece that should end near byte ``stop`` of ``path`` (start < stop < total) ends.
+
+    After the first line end at or after stop - 1 (a .jsonl line is one document and is never cut).
+    A .txt piece looks for that line end in the next _TEXT_CHUNK bytes only; without one it is cut
+    at or before stop (see _safe_cut), so a file without newlines still makes pieces of at most
+    shard_size bytes. Reads at most _TEXT_CHUNK bytes at a time.
+    """
+    f.seek(stop - 1)
+    scanned = 0
+    while True:
+        block = f.read(_TEXT_CHUNK)
+        newline = block.find(b"\n")
+        if newline >= 0:
+            return stop - 1 + scanned + newline + 1
+        scanned += len(block)
+        if not block or stop - 1 + scanned >= total:
+            return total
+        if path.suffix == ".txt":
+            break
+    window = min(stop - start, _TEXT_CHUNK)
+    f.seek(stop - window)
+    return stop - window + _safe_cut(f.read(window))
+
+
+def _safe_cut(buf: bytes) -> int:
+    """An index 0 < i <= len(buf) to cut ``buf`` at without splitting a UTF-8 character: after its
+    last newline, else before its last whitespace (the next word keeps its leading space, as a
+    tokenizer's pre-tokenizer would group it), else before its last UTF-8 lead byte; len(buf) when
+    there is no such place after index 0."""
+    newline = buf.rfind(b"\n")
+    if newline >= 0:
+        return newline + 1
+    space = max(buf.rfind(c) for c in (b" ", b"\t", b"\r", b"\f", b"\v"))
+    if space > 0:
+        return space
+    for i in range(len(buf) - 1, max(0, len(buf) - 4), -1):  # a UTF-8 character is at most 4 bytes
+        if buf[i] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+            return i
+    return len(buf)
+
+
+def _split_text(text: str) -> Iterator[tuple[str, bool]]:
+    """A document's text as (part, ends_doc) of at most _TEXT_CHUNK characters, cut before a
+    whitespace where there is one (Python strings are never cut inside a character)."""
+    start = 0
+    while len(text) - start > _TEXT_CHUNK:
+        stop = start + _TEXT_CHUNK
+        space = max(text.rfind(c, start + 1, stop) for c in " \n\t\r")
+        stop = space if space > start else stop
+        yield text[start:stop], False
+        start = stop
+    yield text[start:], True
 
 
 def _plan(files: list[Path], shard_size: int) -> list[list[_Piece]]:
@@ -409,37 +477,71 @@ def _piece_texts(piece: _Piece) -> Iterator[tuple[str | bytes, bool]]:
                 yield text, True
         return
     try:
-        with open(path, "rb") as f:
-            f.seek(piece.start)
-            data = f.read(piece.stop - piece.start)
+        f = open(path, "rb")  # noqa: SIM115 - closed below (the generator may stop early)
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e})") from e
-    if path.suffix == ".txt":
-        # Long documents go to the tokenizer in chunks cut at line ends (bounded memory).
-        pos = 0
-        while pos < len(data):
-            end = data.find(b"\n", pos + _TEXT_CHUNK)
-            end = len(data) if end < 0 else end + 1
-            yield data[pos:end], piece.eos and end == len(data)
-            pos = end
-        return
+    with f:
+        f.seek(piece.start)
+        if path.suffix == ".txt":
+            yield from _txt_texts(f, path, piece)
+        else:
+            yield from _jsonl_texts(f, path, piece)
+
+
+def _txt_texts(f: Any, path: Path, piece: _Piece) -> Iterator[tuple[bytes, bool]]:
+    """A .txt piece in parts of at most 2 * _TEXT_CHUNK bytes, each cut at a safe boundary."""
+    remaining, carry = piece.stop - piece.start, b""
+    while remaining > 0:
+        block = f.read(min(_TEXT_CHUNK, remaining))
+        if not block:
+            raise ValueError(f"{path}: file shrank while it was read (ends before byte {piece.stop})")
+        remaining -= len(block)
+        buf = carry + block
+        if remaining > 0 and len(buf) >= _TEXT_CHUNK:
+            cut = _safe_cut(buf)
+            text, carry = buf[:cut], buf[cut:]
+        elif remaining > 0:
+            text, carry = b"", buf
+        else:
+            text, carry = buf, b""
+        if text:
+            yield text, piece.eos and remaining == 0
+
+
+def _jsonl_texts(f: Any, path: Path, piece: _Piece) -> Iterator[tuple[str, bool]]:
+    """The documents of a .jsonl piece, one line at a time, each split by _split_text."""
     offset = piece.start
-    for line in data.splitlines(keepends=True):
+    while offset < piece.stop:
+        line = f.readline()  # one document: the only thing held whole
+        if not line:
+            raise ValueError(f"{path}: file shrank while it was read (ends before byte {piece.stop})")
         if line.strip():
             try:
                 record = json.loads(line)
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{_line_number(path, offset)}: invalid UTF-8 at byte {e.start} of the line ({e.reason})"
+                ) from None
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{_line_number(path, offset)}: invalid JSON ({e.msg})") from e
+                raise ValueError(f"{path}:{_line_number(path, offset)}: invalid JSON ({e.msg})") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{_line_number(path, offset)}: no string 'text' field")
-            yield text, True
+            yield from _split_text(text)
         offset += len(line)
 
 
 def _line_number(path: Path, offset: int) -> int:
+    """The 1-based line number of byte ``offset`` of ``path`` (read in bounded blocks)."""
+    lines = 1
     with open(path, "rb") as f:
-        return f.read(offset).count(b"\n") + 1
+        while offset > 0:
+            block = f.read(min(offset, _TEXT_CHUNK))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            offset -= len(block)
+    return lines
 
 
 def _pyarrow_parquet(path: Path) -> Any:
@@ -481,22 +583,35 @@ class TokenDataset:
             shards = [(self.path / s["file"], int(s["tokens"])) for s in index["shards"]]
         except (KeyError, TypeError) as e:
             raise ValueError(f"{index_path}: missing or malformed field {e}") from e
+        self._index_path = index_path
         self._maps: list[np.memmap] = []
+        self._files: list[tuple[Path, int]] = []  # (shard file, its size in bytes) beside each map
         self._starts: list[int] = []
         total = 0
         for file, tokens in shards:
             if not file.is_file():
                 raise FileNotFoundError(f"{file}: shard listed in {index_path} is missing")
-            size, want = file.stat().st_size, tokens * self.dtype.itemsize
-            if size != want:
-                raise ValueError(
-                    f"{file}: {size} bytes, but {index_path} says {tokens} tokens = {want} bytes (truncated or corrupt)"
-                )
+            want = tokens * self.dtype.itemsize
+            self._check_size(file, want)
             if tokens:
                 self._maps.append(np.memmap(file, dtype=self.dtype, mode="r", shape=(tokens,)))
+                self._files.append((file, want))
                 self._starts.append(total)
                 total += tokens
         self.n_tokens = total
+
+    def _check_size(self, file: Path, want: int) -> None:
+        """Refuse a shard whose size is not the index's: reading a memory map past the end of a file
+        truncated under it would kill the process with SIGBUS instead of raising."""
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{file}: shard listed in {self._index_path} is missing") from None
+        if size != want:
+            raise ValueError(
+                f"{file}: {size} bytes, but {self._index_path} says {want // self.dtype.itemsize} tokens = "
+                f"{want} bytes (truncated or corrupt)"
+            )
 
     def __len__(self) -> int:
         return self.n_tokens
@@ -512,9 +627,18 @@ class TokenDataset:
         while length > 0:
             offset = start - self._starts[i]
             take = min(length, len(self._maps[i]) - offset)
-            parts.append(self._maps[i][offset : offset + take])
+            file, size = self._files[i]
+            self._check_size(file, size)  # the file may have been truncated since it was opened
+            part = np.array(self._maps[i][offset : offset + take])
+            if take and int(part.max()) >= self.vocab_size:
+                bad = int(np.argmax(part >= self.vocab_size))
+                raise ValueError(
+                    f"{file}: token {offset + bad} is id {int(part[bad])}, outside the vocab_size "
+                    f"{self.vocab_size} of {self._index_path} (corrupt shard)"
+                )
+            parts.append(part)
             start, length, i = start + take, length - take, i + 1
-        return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
 
 def num_windows(ds: TokenDataset, seq: int) -> int:
@@ -711,13 +835,19 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: unreadable or corrupt JSON ({e})") from e
 
 
-def _write_atomic(path: Path, data: bytes, tmp_prefix: str = ".") -> None:
-    """Write data to path via a temporary file in the same directory, fsync, rename."""
+@contextlib.contextmanager
+def _atomic_file(path: Path, tmp_prefix: str = ".") -> Iterator[Any]:
+    """A binary file to write ``path`` through: a temporary file in the same directory, fsynced and
+    renamed onto path when the block ends without an exception (removed when it raises)."""
     tmp = path.with_name(f"{tmp_prefix}{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -726,8 +856,15 @@ def _write_atomic(path: Path, data: bytes, tmp_prefix: str = ".") -> None:
         os.close(dir_fd)
 
 
+def _write_atomic(path: Path, data: bytes, tmp_prefix: str = ".") -> None:
+    """Write data to path via a temporary file in the same directory, fsync, rename."""
+    with _atomic_file(path, tmp_prefix) as f:
+        f.write(data)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``fmoe data``: build | info | corpus | tokenizer. Returns a process exit code."""
+    """``fmoe data``: build | info | corpus | tokenizer. Returns a process exit code: 0, or 2 after
+    one line ``fmoe: error: ...`` naming the file (bad input, as every fmoe command)."""
     ap = argparse.ArgumentParser(prog="fmoe data", description="build and inspect packed token datasets")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="tokenize text files into a packed token dataset (resumable)")
@@ -765,7 +902,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{out}: {out.stat().st_size:,} bytes")
         else:
             print(train_tokenizer(args.inputs, args.vocab_size, args.out))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, OSError) as e:  # bad input: one line naming the file, as the rest of the CLI
+        print(f"fmoe: error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -47,6 +47,7 @@ class TrainConfig:
     fp8_dense: bool = True  # with fp8: the attention projections in FP8 too (False: experts only)
     # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run
     max_nonfinite_steps: int = 10
+    threads: int = 0  # torch CPU threads of this process; 0: 1 on CPU runs (see fmoe.train.cpu_threads)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,8 @@ def validate(recipe: Recipe) -> None:
             f"{where}: train.global_batch ({t.global_batch}) must be a multiple of parallel.dp x train.microbatches "
             f"({p.dp} x {t.microbatches})"
         )
+    if t.threads < 0:
+        raise RecipeError(f"{where}: train.threads must be >= 0 (0: automatic), got {t.threads}")
     if t.dtype not in ("float32", "bfloat16"):
         raise RecipeError(f"{where}: train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.device not in ("auto", "cpu", "cuda"):

@@ -58,7 +58,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
     step: int = 0
-    tokens_per_second: float = 0.0
+    tokens_per_second: float = 0.0  # this run's mean: its tokens / the time from its first step to its last
     wall_seconds: float = 0.0
     checkpoint: str | None = None
     skipped_steps: int = 0
@@ -70,6 +70,20 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RecipeError("train.device is 'cuda' but no CUDA device is available")
     return torch.device(name)
+
+
+def cpu_threads(recipe: Recipe, device: torch.device) -> int:
+    """The torch CPU thread count a run uses: ``train.threads``, or for 0 (automatic) 1 on a CPU
+    run and torch's own default on CUDA (where the CPU only launches kernels).
+
+    Why 1 on CPU: the CPU recipes' GEMMs are tiny, so a second thread buys little, while OpenMP
+    threads that spin waiting for each other on a machine whose cores are busy with other work
+    make every step several times slower (the embedded default on a busy 2-core machine: 10 steps
+    took 21 s with 1 thread and 202 s with 2; benchmarks/default_run.py measures it).
+    """
+    if recipe.train.threads > 0:
+        return recipe.train.threads
+    return 1 if device.type == "cpu" else torch.get_num_threads()
 
 
 def make_optimizer(recipe: Recipe, shapes: dict) -> tuple[optim.GradientTransformation, Callable]:
@@ -352,7 +366,20 @@ def train(
     mesh comes from ``[parallel]``. Parameters and optimizer state are held as ZeRO-3 shards;
     checkpoints are canonical (layout-free), so a run may resume on another mesh.
     stop_after: stop (with a checkpoint) after this many steps of this run - kill-and-resume tests.
+    Runs with ``cpu_threads(recipe, device)`` torch CPU threads (process-wide; restored on return).
     """
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads(recipe, pick_device(recipe.train.device)))
+    try:
+        return _train(recipe, stop_after, on_step)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(
+    recipe: Recipe, stop_after: int | None, on_step: Callable[[int, float], None] | None
+) -> TrainResult:
+    """train's body, run under the recipe's CPU thread count."""
     t0 = time.perf_counter()
     fam = family_module(recipe.model_family)
     cfg = recipe.model
@@ -440,6 +467,7 @@ def train(
     pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss, skipped) as device tensors
     last_skipped = False
     window_t, window_steps = time.perf_counter(), 0
+    run_t, run_first_step = window_t, step  # the run's mean throughput: all of its steps over its time
 
     def save(at: int) -> str | None:
         params_full = parallel.canonical(shards, infos, mesh, names)
@@ -522,7 +550,6 @@ def train(
                 if log is not None:
                     log.write(record)
                 progress.update(step, losses[-1], tps, record.get("mfu"))
-                result.tokens_per_second = tps
                 window_t, window_steps = time.perf_counter(), 0
             if step % recipe.checkpoint.every == 0 or step == last_steps:
                 result.checkpoint = save(step)
@@ -530,6 +557,8 @@ def train(
         progress.close()
         if log is not None:
             log.close()
+    run_seconds = time.perf_counter() - run_t
+    result.tokens_per_second = (step - run_first_step) * tokens_per_step / max(run_seconds, 1e-9)
     result.params = parallel.canonical(shards, infos, mesh, names) or {}
     result.step = step
     result.wall_seconds = time.perf_counter() - t0

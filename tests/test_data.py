@@ -1,6 +1,9 @@
 """Claims about fmoe.data: builds are exact, parallel and resumable; reading is deterministic and resumable."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -236,8 +239,9 @@ def test_cli_build_then_info(tmp_path, capsys):
     assert data.main(["build", *map(str, inputs), "--out", str(tmp_path / "ds"), "--workers", "1"]) == 0
     assert data.main(["info", str(tmp_path / "ds")]) == 0
     assert "vocab_size 257" in capsys.readouterr().out
-    assert data.main(["info", str(tmp_path / "missing")]) == 1
-    assert "index.json" in capsys.readouterr().err
+    assert data.main(["info", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fmoe: error: ") and "index.json" in err and err.count("\n") == 1
 
 
 def test_parquet_input_reads_the_text_column(tmp_path):
@@ -248,3 +252,106 @@ def test_parquet_input_reads_the_text_column(tmp_path):
     pq.write_table(pa.table({"text": docs}), tmp_path / "d.parquet", row_group_size=7)
     data.build([tmp_path / "d.parquet"], tmp_path / "ds", shard_size=100)
     np.testing.assert_array_equal(_stream(tmp_path / "ds"), _expected_stream(docs))
+
+
+def test_cli_data_errors_are_one_line_with_exit_status_2(tmp_path, capsys):
+    from fmoe import cli
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": 1}\n')
+    assert cli.main(["data", "build", str(bad), "--out", str(tmp_path / "ds"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fmoe: error: ") and "bad.jsonl:2" in err and err.count("\n") == 1
+
+
+def test_invalid_utf8_in_jsonl_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid UTF-8") as err:
+        data.build([bad], tmp_path / "ds")
+    assert "\n" not in str(err.value)
+
+
+def test_out_of_vocab_token_in_a_shard_names_the_shard(tmp_path):
+    ds = _dataset(tmp_path)
+    shard = ds.path / "shard_00001.bin"
+    ids = np.fromfile(shard, dtype="<u2")
+    ids[5] = 300  # >= vocab_size 257: would index past the embedding
+    ids.tofile(shard)
+    ds = data.TokenDataset(ds.path)
+    start = int(data.TokenDataset(ds.path)._starts[1])
+    ds.read(0, start)  # the shards before it read fine
+    with pytest.raises(ValueError, match=r"shard_00001.bin: token 5 is id 300, outside the vocab_size 257"):
+        ds.read(start, 10)
+    with pytest.raises(ValueError, match="shard_00001.bin"):  # every window, in some epoch
+        for _ in data.batches(ds, seq=31, global_batch=8, micro_batch=8, seed=0):
+            pass
+
+
+def test_shard_truncated_after_open_is_refused_naming_it_not_a_sigbus(tmp_path):
+    """A memory-mapped shard truncated under a running job: reading it must raise, naming the file.
+    Run in a child process: reading the map past the file's new end would kill it with SIGBUS."""
+    _dataset(tmp_path)
+    code = (
+        "import os, sys\n"
+        "from fmoe import data\n"
+        f"ds = data.TokenDataset({str(tmp_path / 'ds')!r})\n"
+        "os.truncate(ds.path / 'shard_00000.bin', 0)\n"
+        "try:\n"
+        "    ds.read(0, 100)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(3)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 3, (child.returncode, child.stderr[-2000:])  # -7 is SIGBUS
+    assert "shard_00000.bin: 0 bytes" in child.stdout and "truncated" in child.stdout
+
+
+MEASURE_BUILD = """
+import resource, sys
+from tokenizers import Tokenizer
+from fmoe import data
+text, tok, out, shard_size = sys.argv[1:5]
+Tokenizer.from_file(tok).encode("warm up the tokenizer " * 100)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+data.build([text], out, tok, workers=1, shard_size=int(shard_size))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)  # Linux: KiB
+"""
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_long_single_line_builds_in_bounded_memory_in_shards_of_shard_size(tmp_path, suffix):
+    """Defect 6: a 5.8 MB text without a newline went to the tokenizer in one call (~65 bytes of
+    memory per input byte: its peak grew by 384 MB here) into one shard, whatever --shard-size. Now the text is
+    cut into bounded parts: the build's peak memory grows by a bounded amount (the bound is set by
+    _TEXT_CHUNK / _BATCH_CHARS, not by the input), and a .txt's shards follow shard_size. A .jsonl
+    line is one JSON document, read whole (a few times its size) but tokenized in bounded parts;
+    it stays in one shard."""
+    from tokenizers import Tokenizer
+
+    inputs, _ = _corpus(tmp_path)
+    tok = data.train_tokenizer(inputs, 300, tmp_path / "tok.json")
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "délta", "mixture", "of", "experts", "\N{GREEK SMALL LETTER PI}"]
+    line = " ".join(rng.choice(words, size=1_000_000))  # 5.8 MB, no newline
+    source = tmp_path / f"line{suffix}"
+    if suffix == ".txt":
+        source.write_text(line, encoding="utf-8")
+    else:
+        source.write_text(json.dumps({"text": line}, ensure_ascii=False) + "\n", encoding="utf-8")
+    shard_size = 1 << 20
+    child = subprocess.run(
+        [sys.executable, "-c", MEASURE_BUILD, str(source), str(tok), str(tmp_path / "ds"), str(shard_size)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    peak_growth = int(child.stdout.split()[-1])
+    assert peak_growth < 64 << 20, f"peak memory grew by {peak_growth / 2**20:.0f} MiB"
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    n_bytes = len(line.encode("utf-8"))
+    expected_shards = -(-n_bytes // shard_size) if suffix == ".txt" else 1  # .txt: cut at shard_size
+    assert len(index["shards"]) == expected_shards
+    ids = _stream(tmp_path / "ds")
+    assert ids[-1] == index["eos_id"] and (ids == index["eos_id"]).sum() == 1  # still one document
+    assert Tokenizer.from_file(str(tok)).decode(ids[:-1].tolist()) == line  # no character was split

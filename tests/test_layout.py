@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -18,13 +20,24 @@ PROBE = (
 
 
 def install_and_probe(tmp_path: Path, editable: bool) -> dict:
+    """Install the repository into a fresh venv and report where each name imports from.
+
+    The venv sees this test environment's packages (pip, setuptools, torch) through a .pth file,
+    not the base interpreter's: the base interpreter's setuptools may be too old for pyproject's
+    ``license = "Apache-2.0"`` (setuptools >= 77, which the test extra installs here). The build
+    runs without isolation and without an index: no download.
+    """
     import json
 
     venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True
-    )
-    py = venv / "bin" / "python"  # system site-packages give it pip, setuptools and torch
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    nested = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (Path(nested) / "test_environment.pth").write_text("".join(f"{p}\n" for p in ours))
     args = ["-e", str(REPO)] if editable else [str(REPO)]
     subprocess.run(
         [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *args],
@@ -36,9 +49,18 @@ def install_and_probe(tmp_path: Path, editable: bool) -> dict:
     return json.loads(out.stdout)
 
 
+def test_the_build_requirement_can_read_the_license_field():
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["requires"]
+    setuptools_req = next(r for r in build if r.startswith("setuptools"))
+    assert setuptools_req == "setuptools>=77", "SPDX `license = ...` strings need setuptools >= 77"
+
+
 @pytest.mark.parametrize("editable", [False, True], ids=["normal", "editable"])
 def test_subpackages_map_into_the_fmoe_namespace(tmp_path, editable):
-    pytest.importorskip("setuptools")
+    import setuptools
+
+    major = int(setuptools.__version__.split(".")[0])
+    assert major >= 77, f"setuptools {setuptools.__version__} here: install the test extra (setuptools>=77)"
     origins = install_and_probe(tmp_path, editable)
     root = REPO if editable else tmp_path / "venv"
     assert Path(origins["fmoe"]).is_relative_to(root)

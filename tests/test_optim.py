@@ -12,6 +12,20 @@ from fmoe import optim
 
 STEPS = 10
 
+# Tolerances between two float32 implementations of the same optimizer math, from rounding errors
+# (u = EPS32, any CPU, SIMD width or summation order):
+# - a global gradient norm sums N squares (N = N_PARAMS): each implementation is within about
+#   u * sqrt(N) of the exact sum (rounding errors of random sign, whatever the order), the square
+#   root halves that and adds u; the two implementations' errors add:
+#   NORM_RTOL = 2 * u * (sqrt(N) / 2 + 1) = u * (sqrt(N) + 2).
+# - a parameter after k steps: each step each implementation rounds p - update once (half an ulp of
+#   |p|, at most u * |p| / 2) and computes the update (|update| <= lr_max * (1 + wd * |p|) < 0.05
+#   here) to a relative few u (m, v, sqrt, division, bias corrections: 8 u). Gradients do not depend
+#   on the parameters here, so the differences add up at most linearly over the steps:
+#   param_atol(k) = k * u * (P_MAX + 8 * 0.05), with a stated safety factor of 2.
+# - Adam moments: see moment_atol.
+EPS32 = torch.finfo(torch.float32).eps
+
 
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -21,6 +35,23 @@ def _params(seed: int = 0) -> dict[str, torch.Tensor]:
         "layers.0.norm.scale": torch.randn(8, generator=g),
         "head.bias": torch.randn(17, generator=g),
     }
+
+
+N_PARAMS = sum(p.numel() for p in _params().values())
+P_MAX = max(float(p.abs().max()) for p in _params().values()) + STEPS * 0.05  # moves < 0.05 a step
+NORM_RTOL = EPS32 * (math.sqrt(N_PARAMS) + 2)
+
+
+def param_atol(steps: int) -> float:
+    """|p_a - p_b| bound after ``steps`` steps of two float32 implementations (see the top)."""
+    return 2 * steps * EPS32 * (P_MAX + 8 * 0.05)
+
+
+def moment_atol(steps: int, g_max: float) -> float:
+    """|m_a - m_b| and |v_a - v_b| bound after ``steps`` steps when both see gradients clipped to at
+    most g_max: each step rounds m (v) once (u relative) and the clip factors differ by NORM_RTOL
+    (twice for v = g^2); |m| <= g_max, |v| <= g_max^2; linear accumulation, safety factor 2."""
+    return 2 * steps * (2 * NORM_RTOL + 2 * EPS32) * max(g_max, g_max**2)
 
 
 def _grads(step: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -65,16 +96,20 @@ def test_adamw_with_clip_and_schedule_matches_torch_adamw_over_10_steps(route):
         else:
             updates, state = tx.update(_grads(s, params), state, params)
             params = optim.apply_updates(params, updates, inplace=False)
-        assert math.isclose(float(state["grad_norm"]), ref_norms[s], rel_tol=1e-5)
+        assert math.isclose(float(state["grad_norm"]), ref_norms[s], rel_tol=NORM_RTOL)
     assert max(ref_norms) > max_norm  # clipping was active, so the test covers it
 
     assert int(state["step"]) == STEPS
     by_tensor = {id(p): n for n, p in ref.items()}
     for p, st in opt.state.items():
         name = by_tensor[id(p)]
-        torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(state[f"exp_avg/{name}"], st["exp_avg"], rtol=0, atol=1e-6)
-        torch.testing.assert_close(state[f"exp_avg_sq/{name}"], st["exp_avg_sq"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(params[name], p.detach(), rtol=0, atol=param_atol(STEPS))
+        torch.testing.assert_close(
+            state[f"exp_avg/{name}"], st["exp_avg"], rtol=0, atol=moment_atol(STEPS, max_norm)
+        )
+        torch.testing.assert_close(
+            state[f"exp_avg_sq/{name}"], st["exp_avg_sq"], rtol=0, atol=moment_atol(STEPS, max_norm)
+        )
 
 
 def test_adamw_mask_false_params_get_no_weight_decay():
@@ -309,15 +344,15 @@ def test_chain_clip_adamw_on_bf16_grads_equals_float_grads_through_the_old_path(
         new, s_new = optim.step(tx, grads, s_new, new)
         old, s_old = _old_route(clip, adam, before, s_old, old)
         assert all(torch.equal(grads[n], before[n]) for n in grads)  # read as they are: no scaling pass
-        torch.testing.assert_close(s_new["grad_norm"], s_old["grad_norm"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(s_new["grad_norm"], s_old["grad_norm"], rtol=NORM_RTOL, atol=0)
     want_norm = torch.cat([g.float().flatten() for g in _bf16_grads(4, new).values()]).norm()
     factor = 2.0 if sq_norm_reduce is not None else 1.0  # the hook reached the fused step's norm
-    torch.testing.assert_close(s_new["grad_norm"], factor * want_norm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(s_new["grad_norm"], factor * want_norm, rtol=NORM_RTOL, atol=0)
     assert float(s_new["grad_norm"]) > 1.0  # clipping was active
     for n in new:
-        torch.testing.assert_close(new[n], old[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(new[n], old[n], rtol=0, atol=param_atol(5))
         for k in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(s_new[f"{k}/{n}"], s_old[f"{k}/{n}"], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(s_new[f"{k}/{n}"], s_old[f"{k}/{n}"], rtol=0, atol=moment_atol(5, 1.0))
     assert int(s_new["step"]) == 5
 
 
@@ -370,7 +405,7 @@ def test_bf16_grads_without_clip_equal_their_float_copy(kernel_everywhere):
         a, sa = optim.step(tx, _bf16_grads(s, a), sa, a)
         b, sb = optim.step(tx, {n: g.float() for n, g in _bf16_grads(s, b).items()}, sb, b)
     for n in a:
-        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=param_atol(3))
 
 
 def test_update_route_with_bf16_grads_equals_the_fused_step(kernel_everywhere):
@@ -380,7 +415,7 @@ def test_update_route_with_bf16_grads_equals_the_fused_step(kernel_everywhere):
     updates, s_upd = tx.update(_bf16_grads(0, params), {k: v.clone() for k, v in state.items()}, params)
     stepped, s_step = optim.step(tx, _bf16_grads(0, params), state, {n: p.clone() for n, p in params.items()})
     for n in params:
-        torch.testing.assert_close(params[n] + updates[n], stepped[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(params[n] + updates[n], stepped[n], rtol=0, atol=param_atol(1))
     torch.testing.assert_close(s_upd["grad_norm"], s_step["grad_norm"], rtol=0, atol=0)
 
 
@@ -408,10 +443,10 @@ def test_factors_before_other_members_are_applied_first_so_the_step_equals_updat
     stepped, s_step = optim.step(tx, _grads(0, params), state, {n: p.clone() for n, p in params.items()})
     want_norm = torch.cat([g.flatten() for g in _grads(0, params).values()]).norm()
     factor = 0.5 if order.startswith("halve") else 1.0  # the clip saw the halved grads
-    torch.testing.assert_close(s_step["grad_norm"], factor * want_norm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(s_step["grad_norm"], factor * want_norm, rtol=NORM_RTOL, atol=0)
     torch.testing.assert_close(s_upd["grad_norm"], s_step["grad_norm"], rtol=0, atol=0)
     for n in params:
-        torch.testing.assert_close(params[n] + updates[n], stepped[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(params[n] + updates[n], stepped[n], rtol=0, atol=param_atol(1))
 
 
 def test_chain_step_accepts_an_outer_grad_scale(kernel_everywhere):
@@ -421,9 +456,9 @@ def test_chain_step_accepts_an_outer_grad_scale(kernel_everywhere):
     half = torch.tensor(0.5)
     a, sa = optim.step(tx, _grads(0, a), sa, a, grad_scale=half)
     b, sb = optim.step(tx, {n: 0.5 * g for n, g in _grads(0, b).items()}, sb, b)
-    torch.testing.assert_close(sa["grad_norm"], sb["grad_norm"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(sa["grad_norm"], sb["grad_norm"], rtol=NORM_RTOL, atol=0)
     for n in a:
-        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=param_atol(1))
 
 
 def test_without_triton_bf16_grads_take_the_copy_path_with_the_same_numbers(kernel_everywhere, monkeypatch):
@@ -435,7 +470,7 @@ def test_without_triton_bf16_grads_take_the_copy_path_with_the_same_numbers(kern
     monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
     b, sb = optim.step(tx, _bf16_grads(0, b), sb, b)
     for n in a:
-        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6)
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=param_atol(1))
 
 
 def test_bf16_params_with_a_clip_still_step():

@@ -1,0 +1,89 @@
+"""fmoe train on a CPU: the thread count it runs with, and the throughput it reports."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from fmoe import data
+from fmoe import recipe as R
+from fmoe.train import train
+
+MODEL = dict(
+    family="qwen3_moe",
+    vocab_size=264,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    intermediate_size=32,
+)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("data")
+    text = root / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    data.build([text], root / "bytes", tokenizer="bytes", workers=1)
+    return str(root / "bytes")
+
+
+def tiny_recipe(tmp_path, dataset, **train_fields) -> R.Recipe:
+    return R.from_dict(
+        {
+            "model": dict(MODEL),
+            "data": {"path": dataset, "seq_len": 16},
+            "train": {"steps": 4, "global_batch": 2, "microbatches": 1, "device": "cpu", **train_fields},
+            "optim": {"warmup": 1},
+            "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 100},
+            "log": {"dir": str(tmp_path / "log"), "every": 2, "progress": False},
+        }
+    )
+
+
+@pytest.mark.parametrize("threads, expected", [(0, 1), (2, 2)], ids=["automatic", "two"])
+def test_a_cpu_run_uses_train_threads_and_restores_the_count_after(tmp_path, dataset, threads, expected):
+    seen = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # not what the run should use, whatever OMP_NUM_THREADS says
+    try:
+        train(
+            tiny_recipe(tmp_path, dataset, threads=threads),
+            on_step=lambda s, loss: seen.append(torch.get_num_threads()),
+        )
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [expected] * 4
+
+
+def test_negative_threads_is_refused_naming_the_field(tmp_path, dataset):
+    with pytest.raises(R.RecipeError, match=r"train\.threads must be >= 0"):
+        tiny_recipe(tmp_path, dataset, threads=-1)
+
+
+def test_reported_throughput_is_the_runs_mean_not_the_last_windows(tmp_path, dataset):
+    """Steps 1-2 (the first log window) are slowed by 0.6 s; steps 3-4 are not. The run's mean
+    throughput is its tokens over at least the two windows' times, which is below the last window's
+    throughput (what was reported before) whenever the first window took longer than the last."""
+    slow = 0.6
+
+    def on_step(step: int, loss: float) -> None:
+        if step == 2:
+            time.sleep(slow)
+
+    result = train(tiny_recipe(tmp_path, dataset), on_step=on_step)
+    tokens = 4 * 2 * 16  # steps x global_batch x seq_len
+    windows = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    window_seconds = [2 * 2 * 16 / w["tokens_per_s"] for w in windows]  # 2 steps of 2 x 16 tokens each
+    assert len(windows) == 2 and window_seconds[0] > window_seconds[1] + slow / 2
+    assert result.tokens_per_second <= tokens / sum(window_seconds) * (1 + 1e-9)
+    assert tokens / result.wall_seconds <= result.tokens_per_second

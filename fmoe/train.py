@@ -68,25 +68,6 @@ def make_optimizer(recipe: Recipe, shapes: dict) -> tuple[optim.GradientTransfor
     return tx, lr
 
 
-def flops_per_token(cfg) -> float:
-    """Model FLOPs per trained token: 6 x active params + causal attention (fwd+bwd, halved by the mask)."""
-    H, d = cfg.hidden_size, cfg.head_size
-    attn = H * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    active = cfg.vocab_size * H  # the LM head (the embedding lookup is free)
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            mlp = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts
-        else:
-            mlp = 3 * H * cfg.intermediate_size
-        active += attn + mlp
-    return 6.0 * active
-
-
-def attention_flops_per_token(cfg, seq: int) -> float:
-    """Causal attention score and value GEMMs, forward + backward (3x forward), per token."""
-    return 3 * 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_size * seq / 2
-
-
 def ensure_dataset(recipe: Recipe) -> Path:
     """The recipe's dataset folder, built first from ``data.build_from`` if it is missing."""
     path = Path(recipe.data.path)
@@ -279,7 +260,7 @@ def train(
         seed=recipe.data.shuffle_seed,
         cursor=cursor,
     )
-    flops_per_step = tokens_per_step * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
+    flops_per_step = tokens_per_step * fam.train_flops_per_token(cfg, seq)  # the family's own count
     peak = next(
         (
             v

@@ -353,6 +353,24 @@ def build(cfg: Qwen3MoeConfig) -> Model:
     return Model(cfg, tuple(stages), functools.partial(init_params, cfg), tuple(layer_of))
 
 
+def train_flops_per_token(cfg: Qwen3MoeConfig, seq: int) -> float:
+    """Model FLOPs per trained token at sequence length ``seq`` (what MFU divides by): forward +
+    backward = 6 x the weights a token's GEMMs touch (q/k/v/o, the router and top-k experts of MoE
+    layers, the dense MLPs, the LM head; the embedding lookup is free), plus the causal score and
+    value GEMMs, 3 x their forward (seq/2 keys on average)."""
+    H, d = cfg.hidden_size, cfg.head_size
+    attn = H * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    active = cfg.vocab_size * H
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            mlp = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts
+        else:
+            mlp = 3 * H * cfg.intermediate_size
+        active += attn + mlp
+    scores = 3 * 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * d * seq / 2
+    return 6.0 * active + scores
+
+
 def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
     """Plain forward to logits [b,s,V] (inference, HF parity checks); runs the same stage functions."""
     model = build(cfg)

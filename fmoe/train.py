@@ -303,12 +303,14 @@ def train(
         while step < last_steps:
             tokens, labels, cursor = next(stream)
             batch = {"tokens": tokens.flatten(0, 1).to(device), "labels": labels.flatten(0, 1).to(device)}
-            loss, grads = parallel.parallel_step(
+            loss, grads, statistics = parallel.parallel_step(
                 model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
                 fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense,
             )  # fmt: skip
             shards, state = optim.step(tx, grads, state, shards)
+            if model.buffer_updates is not None:  # e.g. the aux-loss-free router bias, from the loads
+                shards = parallel.add_to_shards(shards, model.buffer_updates(statistics), infos, mesh)
             step += 1
             window_steps += 1
             pending.append((step, loss))

@@ -563,7 +563,7 @@ def run_to_logits(
     for stage in model.stages[:-1]:
         local = {stage.local_name(n): params[n] for n in stage.params}
         out = stage.forward(local, carry + tuple(batch[k] for k in stage.batch_inputs), ctx)
-        carry = out[: len(out) - len(stage.losses)]
+        carry = out[: stage.num_carried(len(out))]
     return head_logits_fn({n: params[n] for n in model.stages[-1].params}, carry[0])
 
 

@@ -17,7 +17,7 @@ over the world). Checkpoints hold the canonical, layout-free tensors (:func:`can
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,13 +93,18 @@ def shard_canonical(
 
 
 def gather_params(
-    shards: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh, dtype=None
+    shards: Mapping[str, Tensor],
+    infos: Mapping[str, ShardInfo],
+    mesh: Mesh,
+    dtype=None,
+    uncast: Collection[str] = (),
 ) -> dict[str, Tensor]:
-    """All-gather the shards into this rank's full (ep-local) parameters, cast to ``dtype``."""
+    """All-gather the shards into this rank's full (ep-local) parameters, cast to ``dtype`` but for
+    the names in ``uncast`` (a model's buffers, whose small updates a bf16 copy would round away)."""
     pending = []
     for name, shard in shards.items():
         info = infos[name]
-        src = shard if dtype is None else shard.to(dtype)
+        src = shard if dtype is None or name in uncast else shard.to(dtype)
         if info.size == 1:
             pending.append((name, None, src))
             continue
@@ -236,7 +241,7 @@ def parallel_step(
     fp8_dense=False only the expert GEMMs, see ``fp8_training``). The
     gradient shards are fp32 where they were summed over ranks, else in the compute dtype.
     """
-    params = gather_params(shards, infos, mesh, dtype)
+    params = gather_params(shards, infos, mesh, dtype, uncast=model.buffers)
     mine = local_batch(batch, mesh)
     with fp8_training(fp8, dense=fp8_dense):
         if mesh.pp > 1:

@@ -371,10 +371,12 @@ def build(cfg: Qwen3MoeConfig) -> Model:
         Stage("head", functools.partial(head, cfg), head_params, batch_inputs=("labels",), losses=(1.0,))
     )
     layer_of.append(-1)
-    updates = functools.partial(router_bias_updates, cfg) if cfg.moe_router_bias_update_rate > 0 else None
+    biased = cfg.moe_router_bias_update_rate > 0
     return Model(
-        cfg, tuple(stages), functools.partial(init_params, cfg), tuple(layer_of), buffer_updates=updates
-    )
+        cfg, tuple(stages), functools.partial(init_params, cfg), tuple(layer_of),
+        buffer_updates=functools.partial(router_bias_updates, cfg) if biased else None,
+        buffers=tuple(n for n in shapes if n.endswith(ROUTER_BIAS)),
+    )  # fmt: skip
 
 
 def train_flops_per_token(cfg: Qwen3MoeConfig, seq: int) -> float:

@@ -107,7 +107,8 @@ class Model:
     buffer_updates(statistics) -> {param name: additive update}: how the step's summed statistics
     ({Statistic.name: tensor}) move the params that are not trained by gradients (e.g. the
     aux-loss-free router bias); the trainer adds each update after the optimizer step. None: the
-    model has no such params.
+    model has no such params. buffers: the names of those params; the step reads them in float32
+    whatever its compute dtype (a bf16 copy would round their small updates away).
     """
 
     config: Any
@@ -115,6 +116,7 @@ class Model:
     init: Callable[..., dict[str, Tensor]]
     layer_of: tuple[int, ...] = ()
     buffer_updates: Callable[[Mapping[str, Tensor]], dict[str, Tensor]] | None = None
+    buffers: tuple[str, ...] = ()
 
     def statistics(self) -> list[Statistic]:
         """Every stage's statistics, in stage order."""

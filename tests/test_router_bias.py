@@ -167,3 +167,27 @@ def test_resume_restores_the_router_bias_bitwise(tmp_path, dataset):
         assert straight.params[name].abs().sum() > 0, f"{name} never moved"
         assert not torch.equal(first.params[name], straight.params[name]), "steps 3-4 moved it further"
         assert torch.equal(second.params[name], straight.params[name]), name
+
+
+def test_a_bf16_step_routes_with_the_float32_bias():
+    """Steps of the bias far below bf16's spacing still steer the router: the step reads it in
+    float32 (Model.buffers) while the other params are cast to the compute dtype."""
+    cfg = tiny_config(moe_router_bias_update_rate=RATE)
+    model = qwen3_moe.build(cfg)
+    assert model.buffers == tuple(bias_names(cfg))
+    mesh = build_mesh(1, 1, 1, 1)
+    shapes = qwen3_moe.param_shapes(cfg)
+    infos = parallel.layout(model, mesh, shapes, list(shapes))
+    full = model.init(seed=3)
+    # a zero gate makes every expert's probability exactly 1/8: the bias alone picks the top 2.
+    # bf16 spacing at 0.5 is 2^-8 ~ 0.0039: all eight values below round to 0.5 there
+    for name in bias_names(cfg):
+        full[name.replace("e_score_correction_bias", "weight")] = torch.zeros(
+            shapes[name] + (cfg.hidden_size,)
+        )
+        full[name] = torch.tensor([0.5010, 0.5004, 0.5012, 0.5008, 0.5006, 0.5002, 0.5019, 0.5015])
+    shards = parallel.shard_canonical(full, infos, mesh)
+    batch = random_batch(cfg, 4, 8, seed=2)
+    out = parallel.parallel_step(model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16)
+    for name in bias_names(cfg):
+        assert out.statistics[name].tolist() == [0, 0, 0, 0, 0, 0, 32, 32], name

@@ -32,7 +32,6 @@ from fmoe.stages import qwen3_moe
 from benchmarks import bench_stages
 from benchmarks.common import time_ms, write_result
 from fmoe import optim, runner
-from fmoe.train import attention_flops_per_token, flops_per_token
 
 PEAK_TFLOPS = 989.0
 # the Qwen3-30B-A3B shapes of the stage benchmark, with as many layers as --layers asks
@@ -336,7 +335,7 @@ def main(argv=None) -> dict:
     m = args.microbatches * args.micro_batch  # sequences per step
     tokens = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
     labels = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
-    flops = m * seq * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
+    flops = m * seq * qwen3_moe.train_flops_per_token(cfg, seq)
     sides = [side.strip() for side in args.sides.split(",") if side.strip()]
     known = ["eager", "fmoe", "fmoe_fp8", *FMOE_VARIANTS]
     unknown = [side for side in sides if side not in known]

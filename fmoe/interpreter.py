@@ -151,6 +151,7 @@ class _Rank:
         self.fwds: dict[tuple[int, int], list] = {}
         self.works: dict[tuple[int, int], list] = {}
         self.grads: dict[str, Tensor] = {}
+        self.statistics: dict[str, Tensor] = {}  # this rank's stages' counts, summed over microbatches
         self.pending: list = []  # (work, tensors kept alive) of posted sends
 
     def neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
@@ -188,6 +189,7 @@ class _Forward:
         inputs = R.stage_inputs(stage, self.carry, st.microbatches[self.mb])
         outputs, fwd = S.forward(stage, st.params, inputs, st.ctxs[self.mb])
         self.carry, terms = R.split_outputs(stage, outputs)
+        R.add_statistics(st.statistics, stage, outputs)
         for j, t in enumerate(terms):
             st.terms[self.mb, st.slot[i] + j] = t.detach().float().reshape(())
         self.fwds.append(fwd)
@@ -235,7 +237,7 @@ class _Backward:
         fwd = self.fwds[i]
         self.fwds[i] = None  # drop the activation as soon as its B has run
         stage = fwd.stage
-        carried = len(fwd.outputs) - len(stage.losses)
+        carried = stage.num_carried(len(fwd.outputs))
         grad_out = self.grad if self.grad else (None,) * carried
         grad_in, work = S.backward_input(fwd, grad_out, self.st.scale)
         self.grad = tuple(grad_in[: len(grad_in) - len(stage.batch_inputs)])
@@ -497,7 +499,8 @@ def run_schedule(
     StageContext fields; fb_order: the FB stage order (see ``FB_ORDER``); reduce_shared: sum the
     gradients of parameters several ranks hold (DualPipe copies, tied embeddings) here, so every
     holder gets the total.
-    Returns StepResult(loss [] float32, {name: grad} for this rank's params, per-microbatch losses).
+    Returns StepResult(loss [] float32, {name: grad} for this rank's params, per-microbatch losses,
+    the statistics of this rank's stages summed over its microbatches).
     Raises ScheduleError (every rank, nothing run) for an invalid table; PipelineError when any rank
     fails or a wait times out.
     """
@@ -522,7 +525,7 @@ def run_schedule(
         st.grads = grads
         if reduce_shared:
             _reduce_shared(st, names)
-        return R.StepResult(loss, st.grads, losses)
+        return R.StepResult(loss, st.grads, losses, st.statistics)
     except D.PipelineError:
         raise
     except Exception as e:

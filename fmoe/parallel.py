@@ -17,8 +17,9 @@ over the world). Checkpoints hold the canonical, layout-free tensors (:func:`can
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -102,13 +103,18 @@ def shard_canonical(
 
 
 def gather_params(
-    shards: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh, dtype=None
+    shards: Mapping[str, Tensor],
+    infos: Mapping[str, ShardInfo],
+    mesh: Mesh,
+    dtype=None,
+    uncast: Collection[str] = (),
 ) -> dict[str, Tensor]:
-    """All-gather the shards into this rank's full (ep-local) parameters, cast to ``dtype``."""
+    """All-gather the shards into this rank's full (ep-local) parameters, cast to ``dtype`` but for
+    the names in ``uncast`` (a model's buffers, whose small updates a bf16 copy would round away)."""
     pending = []
     for name, shard in shards.items():
         info = infos[name]
-        src = shard if dtype is None else shard.to(dtype)
+        src = shard if dtype is None or name in uncast else shard.to(dtype)
         if info.size == 1:
             pending.append((name, None, src))
             continue
@@ -167,17 +173,59 @@ def _local_step(
     grads: dict[str, Tensor] = {}
     merge_later: dict = {}  # expert weight GEMMs, merged over the step's microbatches
     losses = []
+    statistics: dict[str, Tensor] = {}
     groups = mesh.stage_groups()
     for i, mb in enumerate(runner.split_microbatches(batch, num_microbatches)):
         ctx = StageContext(microbatch=mesh.data_rank * num_microbatches + i, seed=seed, groups=groups)
-        fwds, loss = runner.forward_microbatch(model, params, mb, ctx)
+        fwds, loss = runner.forward_microbatch(model, params, mb, ctx, statistics)
         losses.append(loss)
         works = runner.backward_microbatch(fwds, 1.0 / num_microbatches)
         runner.weight_grads(works, merge_later, into=grads)
     runner.accumulate(grads, runner.merged_weight_grads(merge_later))
     return runner.StepResult(
-        runner.mean_loss(losses), runner.zero_missing(grads, params, list(params)), losses
+        runner.mean_loss(losses), runner.zero_missing(grads, params, list(params)), losses, statistics
     )
+
+
+class ShardedStep(NamedTuple):
+    """What ``parallel_step`` returns. loss: the step's loss, identical on every rank; grad_shards:
+    this rank's gradient shards; statistics: {Statistic.name: int64 count} of every stage of the
+    model, summed over the step's microbatches and over the world (identical on every rank)."""
+
+    loss: Tensor
+    grad_shards: dict[str, Tensor]
+    statistics: dict[str, Tensor]
+
+
+def world_statistics(model: Model, local: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """Every statistic of ``model`` summed over the world: one int64 all-reduce of all of them, in
+    model order (a rank adds zeros for the stages it does not run). Integer sums are exact, so the
+    result is bitwise the same on every rank whatever the reduction order."""
+    stats = model.statistics()
+    if not stats:
+        return {}
+    sizes = [math.prod(s.shape) for s in stats]
+    flat = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+    for s, part in zip(stats, flat.split(sizes)):
+        if s.name in local:
+            part.copy_(local[s.name].reshape(-1))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+    return {s.name: part.view(s.shape) for s, part in zip(stats, flat.split(sizes))}
+
+
+def add_to_shards(
+    shards: Mapping[str, Tensor], updates: Mapping[str, Tensor], infos: Mapping[str, ShardInfo], mesh: Mesh
+) -> dict[str, Tensor]:
+    """shards + this rank's slice of each canonical update ({name: full tensor}, the same on every
+    rank) for the names this rank holds; a new dict (the inputs are not mutated). Every copy of a
+    shard adds the same numbers, so replicas stay bitwise identical."""
+    mine = {n: u for n, u in updates.items() if n in infos}
+    parts = shard_canonical(mine, {n: infos[n] for n in mine}, mesh)
+    out = dict(shards)
+    for name, part in parts.items():
+        out[name] = shards[name] + part.to(device=shards[name].device, dtype=shards[name].dtype)
+    return out
 
 
 def parallel_step(
@@ -194,8 +242,9 @@ def parallel_step(
     fp8: bool = False,
     fp8_dense: bool = True,
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards).
+) -> ShardedStep:
+    """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards;
+    the step's statistics summed over the world, see ``ShardedStep``).
 
     shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
     batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
@@ -204,7 +253,7 @@ def parallel_step(
     rank waits for a peer before it gives up (``fmoe.dist.wait``). The
     gradient shards are fp32 where they were summed over ranks, else in the compute dtype.
     """
-    params = gather_params(shards, infos, mesh, dtype)
+    params = gather_params(shards, infos, mesh, dtype, uncast=model.buffers)
     mine = local_batch(batch, mesh)
     with fp8_training(fp8, dense=fp8_dense):
         if mesh.pp > 1:
@@ -237,7 +286,8 @@ def parallel_step(
     data = mesh.group("dp_cp_ep")
     if data is not None:
         dist.all_reduce(loss, group=data)
-    return loss * scale, grad_shards
+    device = next(iter(shards.values())).device
+    return ShardedStep(loss * scale, grad_shards, world_statistics(model, result.statistics, device))
 
 
 def world_sq_norm(x: Tensor) -> Tensor:

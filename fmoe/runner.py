@@ -8,7 +8,7 @@ sum of every stage's weighted loss outputs (cross-entropy, router aux losses).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,11 +23,13 @@ Batch = Mapping[str, Tensor]
 @dataclass
 class StepResult:
     """loss: scalar tensor (mean over microbatches); grads: {global name: gradient} for every parameter;
-    microbatch_losses: each microbatch's loss."""
+    microbatch_losses: each microbatch's loss; statistics: {Statistic.name: int64 count summed over
+    the step's microbatches} for the stages this process ran (``Stage.statistics``)."""
 
     loss: Tensor
     grads: dict[str, Tensor]
     microbatch_losses: list[Tensor]
+    statistics: dict[str, Tensor] = field(default_factory=dict)
 
 
 def with_positions(batch: Batch) -> dict[str, Tensor]:
@@ -62,10 +64,19 @@ def stage_inputs(stage: Stage, carry: Sequence[Tensor], batch: Batch) -> tuple[T
 
 
 def split_outputs(stage: Stage, outputs: Sequence[Tensor]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """(carried outputs, weighted loss terms) of a stage's outputs."""
-    n = len(outputs) - len(stage.losses)
+    """(carried outputs, weighted loss terms) of a stage's outputs (its statistics: ``add_statistics``)."""
+    n = stage.num_carried(len(outputs))
     terms = tuple(w * outputs[n + i] for i, w in enumerate(stage.losses))
     return tuple(outputs[:n]), terms
+
+
+def add_statistics(total: dict[str, Tensor], stage: Stage, outputs: Sequence[Tensor]) -> None:
+    """total[name] += each of the stage's statistic outputs (the last ``len(stage.statistics)``)."""
+    if not stage.statistics:
+        return
+    for stat, value in zip(stage.statistics, outputs[len(outputs) - len(stage.statistics) :], strict=True):
+        value = value.detach()
+        total[stat.name] = total[stat.name] + value if stat.name in total else value.clone()
 
 
 def sum_terms(terms: Sequence[Tensor]) -> Tensor:
@@ -96,14 +107,22 @@ def accumulate(total: dict[str, Tensor], grads: Mapping[str, Tensor]) -> None:
 
 
 def forward_microbatch(
-    model: Model, params: Mapping[str, Tensor], batch: Batch, ctx: StageContext
+    model: Model,
+    params: Mapping[str, Tensor],
+    batch: Batch,
+    ctx: StageContext,
+    statistics: dict[str, Tensor] | None = None,
 ) -> tuple[list[S.Forwarded], Tensor]:
-    """F of every stage for one microbatch: (what B needs per stage, the microbatch's loss)."""
+    """F of every stage for one microbatch: (what B needs per stage, the microbatch's loss).
+
+    statistics: if given, the stages' statistic outputs are added into it (``add_statistics``)."""
     carry: tuple[Tensor, ...] = ()
     fwds, terms = [], []
     for stage in model.stages:
         outputs, fwd = S.forward(stage, params, stage_inputs(stage, carry, batch), ctx)
         carry, stage_terms = split_outputs(stage, outputs)
+        if statistics is not None:
+            add_statistics(statistics, stage, outputs)
         fwds.append(fwd)
         terms.extend(stage_terms)
     return fwds, sum_terms(terms)
@@ -115,7 +134,7 @@ def backward_microbatch(fwds: Sequence[S.Forwarded], loss_scale: float) -> list[
     grad: tuple[Tensor | None, ...] = ()
     for i in range(len(fwds) - 1, -1, -1):
         fwd = fwds[i]
-        carried = len(fwd.outputs) - len(fwd.stage.losses)
+        carried = fwd.stage.num_carried(len(fwd.outputs))
         grad_out = grad if grad else (None,) * carried
         grad_in, works[i] = S.backward_input(fwd, grad_out, loss_scale)
         grad = grad_in[: len(grad_in) - len(fwd.stage.batch_inputs)]
@@ -170,13 +189,16 @@ def run_sequential(
     grads: dict[str, Tensor] = {}
     merge_later: dict[str, list[GroupedWeightGrad]] | None = {} if merge_expert_grads else None
     losses = []
+    statistics: dict[str, Tensor] = {}
     for i, mb in enumerate(microbatches):
-        fwds, loss = forward_microbatch(model, params, mb, StageContext(microbatch=i, seed=seed))
+        ctx = StageContext(microbatch=i, seed=seed)
+        fwds, loss = forward_microbatch(model, params, mb, ctx, statistics)
         losses.append(loss)
         weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches), merge_later, into=grads)
     if merge_later:
         accumulate(grads, merged_weight_grads(merge_later))
-    return StepResult(mean_loss(losses), zero_missing(grads, params, model.param_names()), losses)
+    grads = zero_missing(grads, params, model.param_names())
+    return StepResult(mean_loss(losses), grads, losses, statistics)
 
 
 def model_loss(

@@ -150,14 +150,22 @@ def _check_outputs(stage: Stage, outputs: Any) -> tuple[Tensor, ...]:
             raise StageError(
                 f"stage {stage.name!r} returned {type(out).__name__} at output {i}; a stage returns a tuple of tensors"
             )
-    if len(outputs) < len(stage.losses):
+    carried = stage.num_carried(len(outputs))
+    if carried < 0:
         raise StageError(
-            f"stage {stage.name!r} declares {len(stage.losses)} loss outputs but returned {len(outputs)}"
+            f"stage {stage.name!r} declares {len(stage.losses)} loss and {len(stage.statistics)} statistic "
+            f"outputs but returned {len(outputs)}"
         )
-    for i in range(len(outputs) - len(stage.losses), len(outputs)):
+    for i in range(carried, carried + len(stage.losses)):
         if outputs[i].numel() != 1:
             raise StageError(
                 f"stage {stage.name!r}: loss output {i} has shape {tuple(outputs[i].shape)}, not a scalar"
+            )
+    for stat, out in zip(stage.statistics, outputs[carried + len(stage.losses) :]):
+        if out.dtype != torch.int64 or tuple(out.shape) != tuple(stat.shape):
+            raise StageError(
+                f"stage {stage.name!r}: statistic {stat.name!r} is {out.dtype} {tuple(out.shape)}, "
+                f"declared int64 {tuple(stat.shape)}"
             )
     return tuple(outputs)
 
@@ -203,7 +211,7 @@ def _grad_outputs(
     fwd: Forwarded, grad_outputs: Sequence[Tensor | None], loss_scale: float
 ) -> list[Tensor | None]:
     stage = fwd.stage
-    carried = len(fwd.outputs) - len(stage.losses)
+    carried = stage.num_carried(len(fwd.outputs))
     if len(grad_outputs) != carried:
         raise StageError(
             f"stage {stage.name!r}: B got {len(grad_outputs)} output gradients for {carried} outputs"
@@ -212,7 +220,7 @@ def _grad_outputs(
         torch.full_like(fwd.outputs[carried + i], weight * loss_scale)
         for i, weight in enumerate(stage.losses)
     ]
-    return list(grad_outputs) + seeds
+    return list(grad_outputs) + seeds + [None] * len(stage.statistics)  # counts: no gradient
 
 
 def backward_input(
@@ -221,7 +229,7 @@ def backward_input(
     """B: gradients of the stage's inputs (None for integer inputs), and the work W has left.
 
     grad_outputs: one per carried output (None = zero); the stage's loss outputs are seeded with
-    ``weight * loss_scale`` (the runner passes 1 / microbatches).
+    ``weight * loss_scale`` (the runner passes 1 / microbatches); statistics get none.
     """
     stage = fwd.stage
     grads_out = _grad_outputs(fwd, grad_outputs, loss_scale)

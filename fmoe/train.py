@@ -103,25 +103,6 @@ def make_optimizer(recipe: Recipe, shapes: dict) -> tuple[optim.GradientTransfor
     return tx, lr
 
 
-def flops_per_token(cfg) -> float:
-    """Model FLOPs per trained token: 6 x active params + causal attention (fwd+bwd, halved by the mask)."""
-    H, d = cfg.hidden_size, cfg.head_size
-    attn = H * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    active = cfg.vocab_size * H  # the LM head (the embedding lookup is free)
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            mlp = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts
-        else:
-            mlp = 3 * H * cfg.intermediate_size
-        active += attn + mlp
-    return 6.0 * active
-
-
-def attention_flops_per_token(cfg, seq: int) -> float:
-    """Causal attention score and value GEMMs, forward + backward (3x forward), per token."""
-    return 3 * 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_size * seq / 2
-
-
 def ensure_dataset(recipe: Recipe) -> Path:
     """The recipe's dataset folder, built first from ``data.build_from`` if it is missing."""
     path = Path(recipe.data.path)
@@ -451,7 +432,7 @@ def _train(
         seed=recipe.data.shuffle_seed,
         cursor=cursor,
     )
-    flops_per_step = tokens_per_step * (flops_per_token(cfg) + attention_flops_per_token(cfg, seq))
+    flops_per_step = tokens_per_step * fam.train_flops_per_token(cfg, seq)  # the family's own count
     peak = next(
         (
             v
@@ -497,7 +478,7 @@ def _train(
         while step < last_steps:
             tokens, labels, cursor = next(stream)
             batch = {"tokens": tokens.flatten(0, 1).to(device), "labels": labels.flatten(0, 1).to(device)}
-            loss, grads = parallel.parallel_step(
+            loss, grads, statistics = parallel.parallel_step(
                 model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
                 fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
@@ -509,6 +490,10 @@ def _train(
             skipped = (bad_loss > 0) | ~torch.isfinite(state["grad_norm"])
             # the state keeps the last finite norm: checkpoints never hold a non-finite tensor
             state = {**state, "grad_norm": torch.where(skipped, norm_before, state["grad_norm"])}
+            if model.buffer_updates is not None:  # e.g. the aux-loss-free router bias, from the loads
+                # a skipped step moves no buffer either (its loads came from non-finite activations)
+                updates = {n: torch.where(skipped, 0, u) for n, u in model.buffer_updates(statistics).items()}
+                shards = parallel.add_to_shards(shards, updates, infos, mesh)
             step += 1
             window_steps += 1
             pending.append((step, loss, skipped))

@@ -190,10 +190,6 @@ class DeepseekV2Config:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def head_size(self) -> int:  # what fmoe.train's generic (Qwen-shaped) FLOP estimate reads
-        return self.qk_head_dim
-
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
@@ -538,7 +534,11 @@ def build(cfg: DeepseekV2Config) -> Model:
 
 
 def train_flops_per_token(cfg: DeepseekV2Config, seq: int) -> float:
-    """Training FLOPs per token (forward + backward = 6 x active weights, plus causal attention)."""
+    """Model FLOPs per trained token at sequence length ``seq`` (what MFU divides by): forward +
+    backward = 6 x the weights a token's GEMMs touch (MLA's low-rank projections, top-k routed and
+    the shared experts, the router, the LM head; the embedding lookup is free), plus the causal
+    score and value GEMMs (query-key width qk_nope + qk_rope, value width v_head_dim; seq/2 keys
+    on average), 3 x their forward."""
     H, nh, r, dr = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     q = H * nh * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (H + nh * cfg.qk_head_dim)
     attn = q + H * (r + dr) + r * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) + nh * cfg.v_head_dim * H
@@ -565,7 +565,7 @@ def run_to_logits(
     for stage in model.stages[:-1]:
         local = {stage.local_name(n): params[n] for n in stage.params}
         out = stage.forward(local, carry + tuple(batch[k] for k in stage.batch_inputs), ctx)
-        carry = out[: len(out) - len(stage.losses)]
+        carry = out[: stage.num_carried(len(out))]
     return head_logits_fn({n: params[n] for n in model.stages[-1].params}, carry[0])
 
 

@@ -157,15 +157,6 @@ class GptOssConfig:
     def num_moe_layers(self) -> int:
         return self.num_hidden_layers
 
-    # the names fmoe.train's generic (Qwen-shaped) FLOP estimate reads
-    @property
-    def head_size(self) -> int:
-        return self.head_dim
-
-    @property
-    def moe_intermediate_size(self) -> int:
-        return self.intermediate_size
-
     def is_moe_layer(self, layer: int) -> bool:
         return True
 
@@ -416,16 +407,25 @@ def build(cfg: GptOssConfig) -> Model:
     return Model(cfg, tuple(stages), part(init_params, cfg), tuple(layer_of))
 
 
+def causal_keys(seq: int, window: int | None) -> float:
+    """Keys a query sees on average in a causal sequence of ``seq`` tokens, the last ``window`` of
+    them at most (None: all): seq / 2 for full attention (the usual convention), and in the same
+    continuous count w - w^2 / (2 seq) for a window w < seq (w for most queries, fewer at the start)."""
+    if window is None or window >= seq:
+        return seq / 2
+    return window - window * window / (2 * seq)
+
+
 def train_flops_per_token(cfg: GptOssConfig, seq: int) -> float:
-    """Training FLOPs per token (6 x active weights, plus causal attention, each layer's keys limited
-    to its window)."""
+    """Model FLOPs per trained token at sequence length ``seq`` (what MFU divides by): forward +
+    backward = 6 x the weights a token's GEMMs touch (q/k/v/o, the router, top-k experts, the LM
+    head; the embedding lookup is free), plus the score and value GEMMs, 3 x their forward, over
+    each layer's keys (``causal_keys``: sliding-window layers see at most ``sliding_window``)."""
     H, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     attn = H * d * (2 * hq + 2 * hkv)
     mlp = cfg.num_experts_per_tok * 3 * H * cfg.intermediate_size + H * cfg.num_local_experts
     active = cfg.vocab_size * H + cfg.num_hidden_layers * (attn + mlp)
-    keys = sum(
-        seq / 2 if cfg.window(i) is None else min(cfg.window(i), seq) for i in range(cfg.num_hidden_layers)
-    )
+    keys = sum(causal_keys(seq, cfg.window(i)) for i in range(cfg.num_hidden_layers))
     return 6.0 * active + 3 * 2 * 2 * hq * d * keys
 
 

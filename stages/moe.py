@@ -59,6 +59,7 @@ __all__ = [
     "group_size",
     "plan_dispatch",
     "receive_plan",
+    "router_bias_step",
     "update_router_bias",
 ]
 
@@ -91,8 +92,13 @@ def expert_sort(flat_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 
 
 def expert_load(ids: Tensor, num_experts: int) -> Tensor:
-    """Routing slots per expert, ids [T, k] -> [E] int64 (what the trainer logs and the bias uses)."""
-    return torch.bincount(ids.reshape(-1), minlength=num_experts)
+    """Routing slots per expert, ids [T, k] -> [E] int64 (what the router bias update uses).
+
+    A scatter-add of ones rather than ``bincount``, which reads the largest id back to the host on
+    CUDA; integer sums are exact, so the counts are the same in any order."""
+    flat = ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def capacity(capacity_factor: float | None, total_slots: int, num_experts: int) -> int | None:
@@ -356,6 +362,16 @@ def biased_top_k_router(
     return probs, weights.to(x.dtype), ids
 
 
+def router_bias_step(load: Tensor, rate: float) -> Tensor:
+    """The aux-loss-free balancing step of one router: rate * sign(mean load - load_e).
+
+    load: [E] int64 routing slots per expert over a whole step (every rank's tokens) -> [E] f32:
+    +rate for the experts below the mean load, -rate above it, 0 at it.
+    """
+    load = load.to(torch.float32)
+    return rate * torch.sign(load.mean() - load)
+
+
 def update_router_bias(
     params: dict[str, Tensor],
     loads: dict[str, Tensor],
@@ -375,6 +391,5 @@ def update_router_bias(
             raise ValueError(
                 f"update_router_bias: load for {name!r} has shape {tuple(load.shape)}, bias {tuple(bias.shape)}"
             )
-        load = load.to(device=bias.device, dtype=torch.float32)
-        out[name] = bias + (rate * torch.sign(load.mean() - load)).to(bias.dtype)
+        out[name] = bias + router_bias_step(load.to(bias.device), rate).to(bias.dtype)
     return out

@@ -24,7 +24,10 @@ a renaming plus splitting experts. Under expert parallelism rank r holds experts
 of ``mlp.experts.*`` under the same names ([El, ...]; see fmoe.expert_parallel). With
 ``moe_router_bias_update_rate > 0`` each MoE layer also has ``mlp.gate.e_score_correction_bias``
 [E] (DeepSeek-V3's name): a buffer, not trained, added to the router's scores for the top-k
-selection only; the trainer updates it with ``fmoe.stages.moe.update_router_bias``.
+selection only. Its attn stage then also returns the layer's load, load [E] int64 routing slots
+per expert, as a statistic (``Stage.statistics``, named after the bias) after the aux loss; the
+trainer sums it over the step and every rank and adds ``Model.buffer_updates`` (DeepSeek-V3's
+bias_e += rate * sign(mean load - load_e), ``router_bias_updates``) after each optimizer step.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 from fmoe.stages import layers
 from fmoe.stages import moe as moe_blocks
 from fmoe.stages.primitives import linear
-from fmoe.stages.spec import Model, Params, Stage, StageContext
+from fmoe.stages.spec import Model, Params, Stage, StageContext, Statistic
 from torch import Tensor
 
 
@@ -152,6 +155,13 @@ def router_bias_name(layer: int) -> str:
     return f"model.layers.{layer}.{ROUTER_BIAS}"
 
 
+def router_bias_updates(cfg: Qwen3MoeConfig, statistics: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``Model.buffer_updates``: {bias name: [E] f32 step} from each MoE layer's load over the step
+    (statistics: {router_bias_name(layer): [E] int64}, summed over every rank)."""
+    rate = cfg.moe_router_bias_update_rate
+    return {name: moe_blocks.router_bias_step(load, rate) for name, load in statistics.items()}
+
+
 # ----------------------------------------------------------------------------------------------
 # stage functions: pure, over a params dict with the layer prefix stripped
 
@@ -165,7 +175,8 @@ def embed(p: Params, inputs: tuple[Tensor, ...], ctx: StageContext) -> tuple[Ten
 def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
     """Pre-norm attention with residual, then the post-attention norm and (MoE layers) the router.
 
-    (h [b,s,H], positions [b,s]|[s]) -> MoE: (h1 [b,s,H], x [T,H], ids [T,k] i64, w [T,k], aux [])
+    (h [b,s,H], positions [b,s]|[s]) -> MoE: (h1 [b,s,H], x [T,H], ids [T,k] i64, w [T,k], aux [],
+                                             load [E] i64 with the router bias)
                                        dense: (h1, x [T,H])
     """
     h, positions = inputs
@@ -205,6 +216,8 @@ def attn(cfg: Qwen3MoeConfig, moe: bool, p: Params, inputs: tuple[Tensor, ...], 
     if cfg.router_aux_loss_coef:
         # under context parallelism the statistics span the whole sequence (all cp ranks)
         outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts, group=ctx.group("cp")),)
+    if cfg.moe_router_bias_update_rate > 0:  # the statistic the bias update reads (build: statistics)
+        outputs += (moe_blocks.expert_load(ids, cfg.num_experts),)
     return outputs
 
 
@@ -380,8 +393,15 @@ def build(cfg: Qwen3MoeConfig) -> Model:
         )
         mlp_params = tuple(n for n in owned if n not in attn_params)
         losses = (aux_weight,) if moe and cfg.router_aux_loss_coef else ()
+        biased = moe and cfg.moe_router_bias_update_rate > 0
+        stats = (Statistic(router_bias_name(i), (cfg.num_experts,)),) if biased else ()
         part = functools.partial
-        layer = [Stage(f"layers.{i}.attn", part(attn, cfg, moe), attn_params, pre, ("positions",), losses)]
+        layer = [
+            Stage(
+                f"layers.{i}.attn", part(attn, cfg, moe), attn_params, pre, ("positions",), losses,
+                statistics=stats,
+            )
+        ]  # fmt: skip
         if moe:
             layer += [
                 Stage(f"layers.{i}.dispatch", part(dispatch, cfg), kind="comm"),
@@ -401,7 +421,30 @@ def build(cfg: Qwen3MoeConfig) -> Model:
         Stage("head", functools.partial(head, cfg), head_params, batch_inputs=("labels",), losses=(1.0,))
     )
     layer_of.append(-1)
-    return Model(cfg, tuple(stages), functools.partial(init_params, cfg), tuple(layer_of))
+    biased = cfg.moe_router_bias_update_rate > 0
+    return Model(
+        cfg, tuple(stages), functools.partial(init_params, cfg), tuple(layer_of),
+        buffer_updates=functools.partial(router_bias_updates, cfg) if biased else None,
+        buffers=tuple(n for n in shapes if n.endswith(ROUTER_BIAS)),
+    )  # fmt: skip
+
+
+def train_flops_per_token(cfg: Qwen3MoeConfig, seq: int) -> float:
+    """Model FLOPs per trained token at sequence length ``seq`` (what MFU divides by): forward +
+    backward = 6 x the weights a token's GEMMs touch (q/k/v/o, the router and top-k experts of MoE
+    layers, the dense MLPs, the LM head; the embedding lookup is free), plus the causal score and
+    value GEMMs, 3 x their forward (seq/2 keys on average)."""
+    H, d = cfg.hidden_size, cfg.head_size
+    attn = H * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    active = cfg.vocab_size * H
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            mlp = cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size + H * cfg.num_experts
+        else:
+            mlp = 3 * H * cfg.intermediate_size
+        active += attn + mlp
+    scores = 3 * 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * d * seq / 2
+    return 6.0 * active + scores
 
 
 def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
@@ -414,7 +457,7 @@ def logits(cfg: Qwen3MoeConfig, params: Params, tokens: Tensor, positions: Tenso
     for stage in model.stages[:-1]:
         local = {stage.local_name(n): params[n] for n in stage.params}
         out = stage.forward(local, carry + tuple(batch[k] for k in stage.batch_inputs), ctx)
-        carry = out[: len(out) - len(stage.losses)]
+        carry = out[: stage.num_carried(len(out))]
     head_stage = model.stages[-1]
     return head_logits(cfg, {n: params[n] for n in head_stage.params}, carry[0])
 

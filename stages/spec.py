@@ -4,7 +4,9 @@ A stage is a pure function ``forward(params, inputs, ctx) -> outputs``. ``params
 local parameter names (its global names less ``prefix``) to tensors, ``inputs`` is the tuple the
 previous stage returned followed by the batch fields the stage names in ``batch_inputs``, and
 ``outputs`` is a tuple of tensors: first the ones the next stage receives, then one scalar per entry
-of ``losses`` (a loss term with that weight, e.g. the router's load-balancing loss).
+of ``losses`` (a loss term with that weight, e.g. the router's load-balancing loss), then one int64
+tensor per entry of ``statistics`` (a count the runtime sums over the step, e.g. a router's load
+per expert; never differentiated).
 
 fmoe's runtime (``fmoe.stage``) derives each stage's F, B and W from the forward alone.
 """
@@ -40,6 +42,19 @@ class StageContext:
 
 
 @dataclass(frozen=True)
+class Statistic:
+    """A count a stage returns beside its outputs (after its loss terms): int64, ``shape``.
+
+    The runtime sums it over the step's microbatches and over every rank of the mesh (ranks that do
+    not run the stage add zeros; those that do see different tokens), so the step's total is the same
+    on every rank. name: unique within the model, e.g. the router bias the count steers.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CustomGrad:
     """Hand-written F/B/W for a stage, used instead of the derived ones (tests compare the two).
 
@@ -61,7 +76,8 @@ class Stage:
 
     name: unique within the model, e.g. "layers.3.attn"; params: the global parameter names it reads;
     prefix: stripped from those names to form the keys ``forward`` sees; kind: "compute" or "comm"
-    (communication stages are what a schedule overlaps with another microbatch's compute).
+    (communication stages are what a schedule overlaps with another microbatch's compute);
+    statistics: the counts ``forward`` returns after its loss terms (see ``Statistic``).
     """
 
     name: str
@@ -72,9 +88,14 @@ class Stage:
     losses: tuple[float, ...] = ()
     kind: str = "compute"
     custom: CustomGrad | None = None
+    statistics: tuple[Statistic, ...] = ()
 
     def local_name(self, global_name: str) -> str:
         return global_name[len(self.prefix) :]
+
+    def num_carried(self, num_outputs: int) -> int:
+        """How many of ``num_outputs`` outputs go to the next stage (the rest: losses, statistics)."""
+        return num_outputs - len(self.losses) - len(self.statistics)
 
 
 @dataclass(frozen=True)
@@ -83,12 +104,23 @@ class Model:
 
     init(seed, dtype, device) -> params dict keyed by global (Hugging Face) names.
     layer_of[i] is the transformer layer stage i belongs to (-1 for the embedding and the head).
+    buffer_updates(statistics) -> {param name: additive update}: how the step's summed statistics
+    ({Statistic.name: tensor}) move the params that are not trained by gradients (e.g. the
+    aux-loss-free router bias); the trainer adds each update after the optimizer step. None: the
+    model has no such params. buffers: the names of those params; the step reads them in float32
+    whatever its compute dtype (a bf16 copy would round their small updates away).
     """
 
     config: Any
     stages: tuple[Stage, ...]
     init: Callable[..., dict[str, Tensor]]
     layer_of: tuple[int, ...] = ()
+    buffer_updates: Callable[[Mapping[str, Tensor]], dict[str, Tensor]] | None = None
+    buffers: tuple[str, ...] = ()
+
+    def statistics(self) -> list[Statistic]:
+        """Every stage's statistics, in stage order."""
+        return [s for stage in self.stages for s in stage.statistics]
 
     def param_names(self) -> list[str]:
         seen: dict[str, None] = {}

@@ -48,7 +48,7 @@ def mesh_worker(rank, world, group, sizes):
     state = tx.init(shards)
     losses, first_grads = [], None
     for step in range(STEPS):
-        loss, grad_shards = parallel.parallel_step(
+        loss, grad_shards, _ = parallel.parallel_step(
             model, shards, infos, batch, MICROBATCHES, mesh, schedule=schedule, seed=step
         )
         if step == 0:
@@ -127,7 +127,7 @@ def test_one_rank_step_hands_compute_dtype_grads_to_the_optimizer():
     infos = parallel.layout(model, mesh, shapes, list(shapes))
     full = model.init(seed=3)
     shards = parallel.shard_canonical(full, infos, mesh)
-    loss, grad_shards = parallel.parallel_step(
+    loss, grad_shards, _ = parallel.parallel_step(
         model, shards, infos, batch, MICROBATCHES, mesh, dtype=torch.bfloat16, seed=0
     )
     assert {g.dtype for g in grad_shards.values()} == {torch.bfloat16}

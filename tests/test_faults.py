@@ -70,10 +70,10 @@ def _install(hooks: dict) -> None:
 
     def parallel_step(*args, **kwargs):
         die_at("step")
-        loss, grads = real_step(*args, **kwargs)
-        for g in grads.values():  # a seeded op on the global RNG: resuming must restore it
+        out = real_step(*args, **kwargs)
+        for g in out.grad_shards.values():  # a seeded op on the global RNG: resuming must restore it
             g.add_(torch.randn_like(g), alpha=1e-3)
-        return loss, grads
+        return out
 
     P.parallel_step = parallel_step
     real_opt = O.step

@@ -102,11 +102,11 @@ def nan_from(first_bad: int, last_bad: int | None = None):
 
     def step(*args, **kwargs):
         calls["n"] += 1
-        loss, grads = real(*args, **kwargs)
+        out = real(*args, **kwargs)
         if calls["n"] >= first_bad and (last_bad is None or calls["n"] <= last_bad):
-            loss = loss * math.nan
-            grads = {n: g * math.nan for n, g in grads.items()}
-        return loss, grads
+            grads = {n: g * math.nan for n, g in out.grad_shards.items()}
+            out = out._replace(loss=out.loss * math.nan, grad_shards=grads)
+        return out
 
     return step
 
@@ -231,10 +231,10 @@ def noisy_step():
     real = P.parallel_step
 
     def step(*args, **kwargs):
-        loss, grads = real(*args, **kwargs)
-        for g in grads.values():
+        out = real(*args, **kwargs)
+        for g in out.grad_shards.values():
             g.add_(torch.randn_like(g), alpha=1e-3)
-        return loss, grads
+        return out
 
     return step
 

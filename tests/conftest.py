@@ -10,6 +10,7 @@ import os
 # the layers' fused kernels (norms, SwiGLU, cross-entropy) take Triton on CUDA tensors only.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from fmoe.stages import qwen3_moe  # noqa: E402
 
@@ -31,6 +32,18 @@ def tiny_config(**overrides) -> qwen3_moe.Qwen3MoeConfig:
     )
     fields.update(overrides)
     return qwen3_moe.Qwen3MoeConfig(**fields)
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> str:
+    """A byte-tokenized dataset of 200 kB of the standard library's docstrings, built once; tests
+    read it and never write to it."""
+    from fmoe import data
+
+    root = tmp_path_factory.mktemp("data")
+    corpus = data.builtin_corpus(root / "corpus.txt", 200_000)
+    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
+    return str(root / "bytes")
 
 
 def random_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:

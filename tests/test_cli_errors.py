@@ -6,18 +6,9 @@ from __future__ import annotations
 import pytest
 from test_train import recipe_dict, toml_text
 
-from fmoe import cli, data, hf, parallel
+from fmoe import cli, hf, parallel
 from fmoe import recipe as R
 from fmoe.train import train
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    """A byte-tokenized dataset (as tests/test_train.py's)."""
-    root = tmp_path_factory.mktemp("data")
-    corpus = data.builtin_corpus(root / "corpus.txt", 200_000)
-    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
-    return str(root / "bytes")
 
 
 def run_cli(args, capsys) -> tuple[int, str]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmoe import checkpoint, data
+from fmoe import checkpoint
 from fmoe import dist as D
 
 STEPS = 30
@@ -208,14 +208,6 @@ def server(tmp_path_factory):
     s = Server(tmp_path_factory.mktemp("server"))
     yield s
     s.close()
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    corpus = data.builtin_corpus(root / "corpus.txt", 40_000)
-    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
-    return str(root / "bytes")
 
 
 def argv_for(dataset: str, root: Path, ckpt: Path | None = None, **extra) -> list[str]:

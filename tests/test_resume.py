@@ -12,18 +12,10 @@ import pytest
 import torch
 from test_train import recipe_dict, toml_text
 
-from fmoe import checkpoint, cli, data
+from fmoe import checkpoint, cli
 from fmoe import parallel as P
 from fmoe import recipe as R
 from fmoe.train import train
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    corpus = data.builtin_corpus(root / "corpus.txt", 60_000)
-    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
-    return str(root / "bytes")
 
 
 def run_cli(tmp_path, d: dict, capsys) -> tuple[int, str]:

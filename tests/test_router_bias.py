@@ -3,28 +3,19 @@ summed over the step and every rank, the bias moved after each optimizer step, k
 
 from __future__ import annotations
 
-import pytest
 import torch
 from conftest import random_batch, tiny_config
 from fmoe.schedules import generate
 from fmoe.stages import moe, qwen3_moe
 from test_train import recipe_dict
 
-from fmoe import checkpoint, data, parallel, pipeline, runner
+from fmoe import checkpoint, parallel, pipeline, runner
 from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe.mesh import build_mesh
 from fmoe.train import train
 
 RATE = 0.002
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    corpus = data.builtin_corpus(root / "corpus.txt", 200_000)
-    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
-    return str(root / "bytes")
 
 
 def bias_names(cfg) -> list[str]:

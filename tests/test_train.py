@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fmoe import checkpoint, cli, data
+from fmoe import checkpoint, cli
 from fmoe import recipe as R
 from fmoe.train import train
 
@@ -23,14 +23,6 @@ MODEL = dict(
     intermediate_size=32,
     router_aux_loss_coef=0.01,
 )
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    corpus = data.builtin_corpus(root / "corpus.txt", 200_000)
-    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
-    return str(root / "bytes")
 
 
 def recipe_dict(tmp_path, dataset, **sections) -> dict:

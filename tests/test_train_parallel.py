@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
 from test_train import recipe_dict
 
-from fmoe import data
 from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe.train import train
 
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("data")
-    corpus = data.builtin_corpus(root / "corpus.txt", 200_000)
-    data.build([corpus], root / "bytes", tokenizer="bytes", workers=1)
-    return str(root / "bytes")
 
 
 def mesh_recipe(tmp, dataset, sizes, microbatches, schedule="1f1b"):

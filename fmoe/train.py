@@ -336,6 +336,50 @@ def _opt_shard(flat, infos, mesh, device) -> dict[str, Tensor]:
     return state
 
 
+def _initial_state(recipe: Recipe, model, tx, shapes, infos, mesh, device, resume_from: Path | None):
+    """This rank's parameter shards, optimizer state and trainer counters (step, data_cursor,
+    skipped_steps, nonfinite_streak): fresh from the recipe's seed, or from ``resume_from`` (its
+    shapes checked against the recipe's; the RNG restored)."""
+    counters = {"step": 0, "data_cursor": 0, "skipped_steps": 0, "nonfinite_streak": 0}
+    if resume_from is None:
+        full = model.init(seed=recipe.train.seed, dtype=torch.float32)
+        shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
+        return shards, tx.init(shards), counters
+    moments = {f"{kind}/{n}": s for n, s in shapes.items() for kind in ("exp_avg", "exp_avg_sq")}
+    full, opt_flat, trainer_state = checkpoint.load(
+        resume_from, expected_shapes=shapes, expected_optim_shapes=moments, check_integrity=False
+    )  # rank 0 verified the checksums in _resume_point
+    shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
+    if not opt_flat:  # weights only (``fmoe checkpoint import-hf``): a fresh optimizer
+        state = tx.init(shards)
+    else:
+        try:
+            state = optim.state_from_flat(tx, _opt_shard(opt_flat, infos, mesh, device), shards)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{resume_from}: optimizer state does not fit the model ({e})") from None
+    counters = {k: int(trainer_state.get(k, 0)) for k in counters}
+    if "rng" in trainer_state:
+        checkpoint.restore_rng(trainer_state["rng"])
+    return shards, state, counters
+
+
+def _update(tx, model, loss: Tensor, grads, statistics, state, shards, infos, mesh):
+    """The optimizer step and the model's buffer updates -> (shards, state, skipped: bool tensor).
+
+    A non-finite loss or gradient norm skips both on the device (no host sync); the state then
+    keeps the last finite gradient norm, so a checkpoint never holds a non-finite tensor."""
+    bad_loss = (~torch.isfinite(loss)).float()
+    norm_before = state["grad_norm"]
+    shards, state = optim.step(tx, grads, state, shards, found_inf=bad_loss)
+    skipped = (bad_loss > 0) | ~torch.isfinite(state["grad_norm"])
+    state = {**state, "grad_norm": torch.where(skipped, norm_before, state["grad_norm"])}
+    if model.buffer_updates is not None:  # e.g. the aux-loss-free router bias, from the loads
+        # a skipped step moves no buffer either (its loads came from non-finite activations)
+        updates = {n: torch.where(skipped, 0, u) for n, u in model.buffer_updates(statistics).items()}
+        shards = parallel.add_to_shards(shards, updates, infos, mesh)
+    return shards, state, skipped
+
+
 def train(
     recipe: Recipe,
     stop_after: int | None = None,
@@ -393,33 +437,11 @@ def _train(
     local = pipeline.local_param_names(model, table, rank=mesh.coords["pp"]) if table is not None else names
     infos = parallel.layout(model, mesh, shapes, local)
     tx, lr_schedule = make_optimizer(recipe, shapes)
-    step, cursor, skipped_total, streak = 0, 0, 0, 0
     ckpt_dir = Path(recipe.checkpoint.dir)
-    latest = resume_from
-    if latest is None:
-        full = model.init(seed=recipe.train.seed, dtype=torch.float32)
-        shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
-        state = tx.init(shards)
-    else:
-        moments = {f"{kind}/{n}": s for n, s in shapes.items() for kind in ("exp_avg", "exp_avg_sq")}
-        full, opt_flat, trainer_state = checkpoint.load(
-            latest, expected_shapes=shapes, expected_optim_shapes=moments, check_integrity=False
-        )  # rank 0 verified the checksums in _resume_point
-        shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
-        if not opt_flat:  # weights only (``fmoe checkpoint import-hf``): a fresh optimizer
-            state = tx.init(shards)
-        else:
-            try:
-                state = optim.state_from_flat(tx, _opt_shard(opt_flat, infos, mesh, device), shards)
-            except (KeyError, ValueError) as e:
-                raise ValueError(f"{latest}: optimizer state does not fit the model ({e})") from None
-        step = int(trainer_state["step"])
-        cursor = int(trainer_state.get("data_cursor", 0))
-        skipped_total = int(trainer_state.get("skipped_steps", 0))
-        streak = int(trainer_state.get("nonfinite_streak", 0))
-        if "rng" in trainer_state:
-            checkpoint.restore_rng(trainer_state["rng"])
-    del full
+    shards, state, counters = _initial_state(recipe, model, tx, shapes, infos, mesh, device, resume_from)
+    step, cursor, skipped_total, streak = (
+        counters[k] for k in ("step", "data_cursor", "skipped_steps", "nonfinite_streak")
+    )
 
     result = TrainResult(step=step, skipped_steps=skipped_total)
     log = MetricsLog(Path(recipe.log.dir)) if lead else None
@@ -483,17 +505,7 @@ def _train(
                 dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
                 fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
             )  # fmt: skip
-            # a non-finite loss or gradient norm skips the update on the device (no host sync)
-            bad_loss = (~torch.isfinite(loss)).float()
-            norm_before = state["grad_norm"]
-            shards, state = optim.step(tx, grads, state, shards, found_inf=bad_loss)
-            skipped = (bad_loss > 0) | ~torch.isfinite(state["grad_norm"])
-            # the state keeps the last finite norm: checkpoints never hold a non-finite tensor
-            state = {**state, "grad_norm": torch.where(skipped, norm_before, state["grad_norm"])}
-            if model.buffer_updates is not None:  # e.g. the aux-loss-free router bias, from the loads
-                # a skipped step moves no buffer either (its loads came from non-finite activations)
-                updates = {n: torch.where(skipped, 0, u) for n, u in model.buffer_updates(statistics).items()}
-                shards = parallel.add_to_shards(shards, updates, infos, mesh)
+            shards, state, skipped = _update(tx, model, loss, grads, statistics, state, shards, infos, mesh)
             step += 1
             window_steps += 1
             pending.append((step, loss, skipped))

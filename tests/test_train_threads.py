@@ -7,24 +7,13 @@ import time
 
 import pytest
 import torch
+from test_train import MODEL as TRAIN_MODEL
 
 from fmoe import data
 from fmoe import recipe as R
 from fmoe.train import train
 
-MODEL = dict(
-    family="qwen3_moe",
-    vocab_size=264,
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    intermediate_size=32,
-)
+MODEL = {**TRAIN_MODEL, "num_hidden_layers": 1}  # the training tests' tiny model, one layer
 
 
 @pytest.fixture(scope="module")

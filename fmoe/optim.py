@@ -97,9 +97,8 @@ def chain(*transforms: GradientTransformation, skip_nonfinite: bool = False) -> 
 
     skip_nonfinite: the fused step skips itself (``found_inf``: no parameter or moment changes, the
     step is not counted) when a member's factor is not finite - ``clip_by_global_norm``'s is NaN for
-    a NaN or infinite gradient norm. Decided on the device, except for tensors on fmoe's own AdamW
-    kernel (CUDA, fp32 params with grads of another dtype), which has no skip flag yet: the skip
-    then costs one host sync per step.
+    a NaN or infinite gradient norm. Decided on the device, for torch's fused kernel and fmoe's own
+    (its skip flag): no host sync.
     """
     if not transforms:
         raise ValueError("chain: needs at least one transformation")
@@ -341,8 +340,6 @@ def adamw(
         # plain step without a clip; taking it for large plain tensors would gain little.)
         own = [n for n in names if _own_kernel(params[n], grads[n], state, n, grad_scale)]
         mine = set(own)
-        if own and found_inf is not None and bool(found_inf):  # fmoe's kernel has no skip flag: a sync
-            own = []
         for (device, _dtype), group in _group(params, own).items():
             lr_dev = lr_t.to(device=device, dtype=torch.float32) if isinstance(lr_t, Tensor) else lr_t
             scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
@@ -361,6 +358,7 @@ def adamw(
                         eps=eps,
                         weight_decay=weight_decay if decay else 0.0,
                         grad_scale=scale,
+                        found_inf=None if found_inf is None else found_inf.to(device),
                     )
         for (device, _dtype), group in _group(params, [n for n in names if n not in mine]).items():
             lr_dev = lr_t.to(device=device, dtype=torch.float32) if isinstance(lr_t, Tensor) else lr_t

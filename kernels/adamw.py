@@ -73,10 +73,12 @@ def _adamw_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    # the step's scalars, [lr * wd, step_size, bc2_sqrt] in fp32 (_step_scalars)
+    # the step's scalars, [lr * wd, step_size, bc2_sqrt, skip] in fp32 (_step_scalars)
     decay = tl.load(scalars_ptr)
     step_size = tl.load(scalars_ptr + 1)
     bc2_sqrt = tl.load(scalars_ptr + 2)
+    skip = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scalars_ptr + 3)  # 1: found_inf, write nothing
+    write = mask & (skip == 0.0)
 
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -91,9 +93,9 @@ def _adamw_kernel(
     v = tl.fma(v, BETA2, ONE_MINUS_BETA2 * (g * g))
     denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + EPS
     p = p - tl.math.div_rn(step_size * m, denom)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(p_ptr + offs, p, mask=write)
+    tl.store(m_ptr + offs, m, mask=write)
+    tl.store(v_ptr + offs, v, mask=write)
 
 
 def adamw_(
@@ -109,6 +111,7 @@ def adamw_(
     eps: float,
     weight_decay: float,
     grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
     reference: bool = False,
 ) -> None:
     """One AdamW step in place over lists of tensors (same length, all on one device).
@@ -118,13 +121,15 @@ def adamw_(
     step:       the 1-based step number (python number or 0-d tensor, e.g. float32 ``state["step"]``).
     lr:         python number or 0-d float tensor on the device (a schedule's output).
     grad_scale: None (1) or a 0-d float32 tensor on the device; every gradient is multiplied by it.
+    found_inf:  None or a 0-d float tensor on the device; nonzero skips the step (nothing is written),
+                decided on the device: no host sync, so a CUDA graph can hold the step.
     reference:  run the plain-torch reference (the same operations in the same precisions, see the
                 module doc) instead of the kernel; it also runs wherever the kernel cannot.
     """
     _check(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     if not params:
         return
-    scalars = _step_scalars(step, lr, beta1, beta2, weight_decay, params[0].device)
+    scalars = _step_scalars(step, lr, beta1, beta2, weight_decay, params[0].device, found_inf)
     hyper = _hyper(beta1, beta2, eps)
     if reference or not use_triton(params[0]):
         _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, scalars, hyper, weight_decay != 0, grad_scale)
@@ -157,7 +162,7 @@ def adamw_(
 
 def _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, scalars, hyper, decays, grad_scale) -> None:
     """The reference: ``_adamw_kernel``'s operations in plain torch, rounded alike."""
-    decay, step_size, bc2_sqrt = scalars[0], scalars[1], scalars[2]
+    decay, step_size, bc2_sqrt, skip = scalars[0], scalars[1], scalars[2], scalars[3] != 0
     b1, c1, b2, c2, eps32 = hyper
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         if p.numel() == 0:
@@ -169,9 +174,9 @@ def _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, scalars, hyper, decays, g
         m32 = _fma(m, b1, c1 * g32)
         v32 = _fma(v, b2, c2 * (g32 * g32))
         denom = _div(_sqrt(v32), bc2_sqrt) + eps32
-        p.copy_(p32 - _div(step_size * m32, denom))
-        m.copy_(m32)
-        v.copy_(v32)
+        p.copy_(torch.where(skip, p, p32 - _div(step_size * m32, denom)))
+        m.copy_(torch.where(skip, m, m32))
+        v.copy_(torch.where(skip, v, v32))
 
 
 # Correctly rounded fp32 sqrt, division and fma in plain torch. torch's own fp32 sqrt on CPU is
@@ -206,11 +211,18 @@ def _fma(a: Tensor, b: float | Tensor, c: Tensor) -> Tensor:
 
 
 def _step_scalars(
-    step: int | float | Tensor, lr: float | Tensor, beta1: float, beta2: float, wd: float, device
+    step: int | float | Tensor,
+    lr: float | Tensor,
+    beta1: float,
+    beta2: float,
+    wd: float,
+    device,
+    found_inf: Tensor | None = None,
 ) -> Tensor:
-    """``[lr * wd, step_size, bc2_sqrt]`` as a float32 tensor on ``device``, all in fp32 arithmetic
-    (``bc1 = 1 - b1^t``, ``step_size = lr / bc1``, ``bc2_sqrt = sqrt(1 - b2^t)``) from 0-d device
-    ops: a python step or lr becomes a fill kernel, never a host-to-device copy (which would sync)."""
+    """``[lr * wd, step_size, bc2_sqrt, skip]`` as a float32 tensor on ``device``, all in fp32
+    arithmetic (``bc1 = 1 - b1^t``, ``step_size = lr / bc1``, ``bc2_sqrt = sqrt(1 - b2^t)``; skip:
+    1 where ``found_inf`` is nonzero, else 0) from 0-d device ops: a python step or lr becomes a fill
+    kernel, never a host-to-device copy (which would sync)."""
     f32 = torch.float32
     t = step.to(device=device, dtype=f32) if isinstance(step, Tensor) else None
     if t is None:
@@ -221,7 +233,10 @@ def _step_scalars(
     b1, _, b2, _, _ = _hyper(beta1, beta2, 0.0)
     bc1 = 1.0 - torch.pow(torch.full_like(t, b1), t)
     bc2_sqrt = _sqrt(1.0 - torch.pow(torch.full_like(t, b2), t))
-    return torch.stack([lr32 * _f32(wd), _div(lr32, bc1), bc2_sqrt])
+    skip = torch.zeros((), dtype=f32, device=device)
+    if found_inf is not None:
+        skip = (found_inf.to(device=device).reshape(()) != 0).to(f32)
+    return torch.stack([lr32 * _f32(wd), _div(lr32, bc1), bc2_sqrt, skip])
 
 
 def _hyper(beta1: float, beta2: float, eps: float) -> tuple[float, float, float, float, float]:

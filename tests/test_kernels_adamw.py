@@ -197,3 +197,23 @@ def test_kernel_on_cuda_agrees_with_torch_fused_adamw_to_fp32_rounding(grad_dtyp
     for got_list, want_list in zip((params, exp_avgs, exp_avg_sqs), ref):
         for got, want in zip(got_list, want_list):
             torch.testing.assert_close(got, want, rtol=4 * 2**-24, atol=1e-12)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_found_inf_skips_the_step_on_the_device_and_a_zero_flag_does_not(reference):
+    """A nonzero found_inf leaves p, m and v bit for bit as they were (the skip is a device flag,
+    so no host sync); a zero one gives the ordinary step."""
+    state = _state(SHAPES, torch.bfloat16)
+    before = _clone(state)
+    kw = dict(step=2, lr=1e-2, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.1, reference=reference)
+    K.adamw_(*state, **kw, found_inf=torch.tensor(1.0))
+    for got_list, want_list in zip(state, before):
+        for got, want in zip(got_list, want_list):
+            assert torch.equal(got, want)
+    plain = _clone(state)
+    K.adamw_(*state, **kw, found_inf=torch.tensor(0.0))
+    K.adamw_(*plain, **kw)
+    for got_list, want_list in zip(state, plain):
+        for got, want in zip(got_list, want_list):
+            assert torch.equal(got, want)
+    assert not torch.equal(state[0][0], before[0][0])  # the unskipped step moved the params

@@ -160,6 +160,10 @@ FMOE_VARIANTS = {
     "fmoe_unmerged": {"merge_expert_grads": False},  # expert weight GEMMs once per microbatch + add
     "fmoe_fp32_grads": {"fp32_grads": True},  # fp32 copy of every gradient before the optimizer
     "fmoe_fp8_experts": {"fp8": True, "fp8_dense": False},  # FP8 expert GEMMs, bf16 projections
+    # the step and its optimizer update captured once as a CUDA graph and replayed (train.cuda_graphs)
+    "fmoe_graphs": {"cuda_graphs": True},
+    "fmoe_fp8_graphs": {"fp8": True, "cuda_graphs": True},
+    "fmoe_fp8_experts_graphs": {"fp8": True, "fp8_dense": False, "cuda_graphs": True},
 }
 
 
@@ -253,17 +257,19 @@ def fmoe_step_fn(
     merge_expert_grads: bool = True,
     fp32_grads: bool = False,
     fp8_dense: bool = True,
+    cuda_graphs: bool = False,
 ):
     from fmoe.stages import layers
     from fmoe.stages.primitives import fp8_training
+
+    from fmoe.cuda_graphs import GraphedStep
 
     model = qwen3_moe.build(cfg)
     params = model.init(seed=0, dtype=torch.float32, device=device)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1))
     state = {"opt": tx.init(params), "params": params}
 
-    def step(tokens, labels, micro_batch: int = 1):
-        p = state["params"]
+    def pure_step(p, opt, tokens, labels, micro_batch: int):
         compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
         unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
         with fp8_training(fp8, dense=fp8_dense), unfused:
@@ -277,7 +283,12 @@ def fmoe_step_fn(
         del compute
         # the optimizer reads the bf16 gradients as they are (its kernel widens them to fp32)
         grads = {n: g.float() for n, g in out.grads.items()} if fp32_grads else out.grads
-        state["params"], state["opt"] = optim.step(tx, grads, state["opt"], p)
+        return optim.step(tx, grads, opt, p)
+
+    run = GraphedStep(pure_step) if cuda_graphs and device == "cuda" else pure_step  # CPU: eager
+
+    def step(tokens, labels, micro_batch: int = 1):
+        state["params"], state["opt"] = run(state["params"], state["opt"], tokens, labels, micro_batch)
 
     return step
 

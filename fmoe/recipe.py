@@ -48,6 +48,9 @@ class TrainConfig:
     # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run
     max_nonfinite_steps: int = 10
     threads: int = 0  # torch CPU threads of this process; 0: 1 on CPU runs (see fmoe.train.cpu_threads)
+    # capture each step (stages' F/B/W, optimizer) once as a CUDA graph and replay it (fmoe.cuda_graphs);
+    # CUDA only; runs with collectives in the step (more than one process) stay eager, saying why
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise RecipeError(f"{where}: train.device must be 'auto', 'cpu' or 'cuda', got {t.device!r}")
+    if t.cuda_graphs and t.device == "cpu":
+        raise RecipeError(f"{where}: train.cuda_graphs needs a CUDA device; train.device is 'cpu'")
     _validate_optim(recipe, where)
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
         raise RecipeError(

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fmoe import checkpoint, data, optim, parallel, pipeline, schedules
+from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline, schedules
 from fmoe import dist as D
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
@@ -380,6 +380,28 @@ def _update(tx, model, loss: Tensor, grads, statistics, state, shards, infos, me
     return shards, state, skipped
 
 
+def _graphed_step(recipe: Recipe, mesh, device: torch.device, train_step: Callable):
+    """``train.cuda_graphs``: the step and its update as one ``fmoe.cuda_graphs.GraphedStep`` of
+    (shards, state, batch), or None (eager) where a step holds collectives (more than one process:
+    pipeline sends, ZeRO gathers, expert all-to-alls with host-synced split sizes), said in one line.
+    Replays run every step with the recipe's seed in its ``StageContext`` (fmoe's stages read none;
+    a stage's randomness must come from torch's CUDA generator, which replays advance)."""
+    if not recipe.train.cuda_graphs:
+        return None
+    if device.type != "cuda":
+        raise RecipeError(f"{recipe.path}: train.cuda_graphs needs a CUDA device; this run is on {device}")
+    if mesh.world > 1:
+        if mesh.rank == 0:
+            _warn(
+                f"train.cuda_graphs: a step over {mesh.world} processes holds collectives "
+                f"(pp={mesh.pp}, dp={mesh.dp}, cp={mesh.cp}, ep={mesh.ep}); it runs eagerly"
+            )
+        return None
+    return cuda_graphs.GraphedStep(
+        lambda shards, state, batch: train_step(shards, state, batch, recipe.train.seed)
+    )
+
+
 def train(
     recipe: Recipe,
     stop_after: int | None = None,
@@ -472,6 +494,18 @@ def _train(
     window_t, window_steps = time.perf_counter(), 0
     run_t, run_first_step = window_t, step  # the run's mean throughput: all of its steps over its time
 
+    def train_step(shards, state, batch, seed: int):
+        """One step and its update: (shards, state, loss, skipped), the last two device tensors."""
+        loss, grads, statistics = parallel.parallel_step(
+            model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
+            dtype=None if dtype == torch.float32 else dtype, seed=seed,
+            fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
+        )  # fmt: skip
+        shards, state, skipped = _update(tx, model, loss, grads, statistics, state, shards, infos, mesh)
+        return shards, state, loss, skipped
+
+    graphed = _graphed_step(recipe, mesh, device, train_step)
+
     def save(at: int) -> str | None:
         params_full = parallel.canonical(shards, infos, mesh, names)
         opt_full = _opt_canonical(state, infos, mesh, names)
@@ -500,12 +534,11 @@ def _train(
         while step < last_steps:
             tokens, labels, cursor = next(stream)
             batch = {"tokens": tokens.flatten(0, 1).to(device), "labels": labels.flatten(0, 1).to(device)}
-            loss, grads, statistics = parallel.parallel_step(
-                model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
-                dtype=None if dtype == torch.float32 else dtype, seed=recipe.train.seed + step,
-                fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
-            )  # fmt: skip
-            shards, state, skipped = _update(tx, model, loss, grads, statistics, state, shards, infos, mesh)
+            if graphed is not None:  # its loss and skip flag are overwritten by the next replay
+                shards, state, loss, skipped = graphed(shards, state, batch)
+                loss, skipped = loss.clone(), skipped.clone()
+            else:
+                shards, state, loss, skipped = train_step(shards, state, batch, recipe.train.seed + step)
             step += 1
             window_steps += 1
             pending.append((step, loss, skipped))

@@ -445,3 +445,81 @@ def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypat
     # 2^-2 on the gradients as one vector.
     assert abs(fp8.loss.item() - bf16.loss.item()) < 2**-6 * bf16.loss.item()
     assert _global_rel(fp8.grads, bf16.grads) < 2**-2
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA graphs: a step captured once and replayed is bitwise the eager step
+
+
+def test_graphed_step_replays_bitwise_copies_new_inputs_and_keeps_in_place_state():
+    from fmoe.cuda_graphs import GraphedStep
+
+    def fn(state, x):  # state updated in place and handed back; a fresh output besides
+        y = torch.relu(x @ state["w"])
+        state["w"].add_(y.t() @ x * 1e-3)
+        return state, y.sum(0)
+
+    w0 = _randn(256, 256, seed=1)
+    eager_state, graph_state = {"w": w0.clone()}, {"w": w0.clone()}
+    graphed = GraphedStep(fn, warmup=2)
+    for step in range(6):
+        x = _randn(512, 256, seed=10 + step)  # a new tensor every call: copied into the graph's input
+        _, want = fn(eager_state, x)
+        state, got = graphed(graph_state, x)
+        assert state["w"] is graph_state["w"]
+        assert torch.equal(got, want), step
+        assert torch.equal(graph_state["w"], eager_state["w"]), step
+    assert graphed.replays == 4  # calls 3..6: captured once, then replayed
+
+
+def test_graphed_step_names_a_host_sync_it_cannot_capture():
+    from fmoe.cuda_graphs import CaptureError, GraphedStep
+
+    graphed = GraphedStep(lambda x: x * float(x.sum().item()), warmup=1)
+    x = _randn(8, seed=3)
+    graphed(x)  # eager
+    with pytest.raises(CaptureError, match="train.cuda_graphs = false"):
+        graphed(x)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fmoe_train_with_cuda_graphs_is_bitwise_the_eager_run(tmp_path, dataset, monkeypatch, fp8):
+    """`fmoe train` with train.cuda_graphs: the same losses and parameters, bit for bit, as the eager
+    run of the same recipe, and the graph served the steps after its warm-up."""
+    from fmoe import cuda_graphs
+    from fmoe import recipe as R
+    from fmoe.train import train
+
+    made = []
+
+    class Counting(cuda_graphs.GraphedStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(cuda_graphs, "GraphedStep", Counting)
+    model = dict(
+        family="qwen3_moe", vocab_size=384, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, intermediate_size=512, mlp_only_layers=[0], router_aux_loss_coef=0.01,
+    )  # fmt: skip
+
+    def run(folder, graphs: bool):
+        recipe = {
+            "model": model,
+            "data": {"path": dataset, "seq_len": 256},
+            "train": {"steps": 6, "global_batch": 4, "microbatches": 2, "device": "cuda", "dtype": "bfloat16",
+                      "fp8": fp8, "cuda_graphs": graphs},
+            "optim": {"lr": 1e-3, "warmup": 2},
+            "checkpoint": {"dir": str(tmp_path / folder / "ckpt"), "every": 3, "keep": 1},
+            "log": {"dir": str(tmp_path / folder / "log"), "every": 2, "progress": False},
+        }  # fmt: skip
+        return train(R.from_dict(recipe))
+
+    eager = run("eager", False)
+    assert not made
+    graphed = run("graphed", True)
+    assert len(made) == 1 and made[0].replays == 6 - made[0].warmup
+    assert graphed.losses == eager.losses
+    for name, t in eager.params.items():
+        assert torch.equal(graphed.params[name], t), name

@@ -324,3 +324,28 @@ def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path)
     name = "model.layers.1.mlp.experts.7.down_proj.weight"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor(name), lazy["model.layers.1.mlp.experts.down_proj"][7])
+
+
+def test_shard_range_is_the_slice_of_the_canonical_tensor_that_shard_canonical_takes():
+    from fmoe.expert_parallel import is_expert_param
+    from fmoe.mesh import Mesh
+    from fmoe.parallel import ShardInfo
+
+    gen = torch.Generator().manual_seed(0)
+    full = {"model.layers.0.mlp.experts.down_proj": torch.randn(8, 3, 5, generator=gen),
+            "model.norm.weight": torch.randn(7, generator=gen)}  # fmt: skip
+    for dp, ep in [(2, 2), (4, 1), (1, 4), (3, 1)]:  # dp = 3 pads the last shard
+        for d in range(dp):
+            for e in range(ep):
+                mesh = Mesh(1, dp, 1, ep, rank=d * ep + e, coords={"pp": 0, "dp": d, "cp": 0, "ep": e})
+                infos = {}
+                for n, t in full.items():
+                    if is_expert_param(n):  # ep-local experts, split over dp (x cp)
+                        infos[n] = ShardInfo((t.shape[0] // ep, *t.shape[1:]), "dp_cp", dp, d)
+                    else:  # split over dp x cp x ep, ep innermost
+                        infos[n] = ShardInfo(tuple(t.shape), "dp_cp_ep", dp * ep, d * ep + e)
+                shards = parallel.shard_canonical(full, infos, mesh)
+                for n, t in full.items():
+                    a, b = T._shard_range(n, infos[n], mesh, t.shape)
+                    assert torch.equal(shards[n][: b - a], t.reshape(-1)[a:b]), (n, dp, ep, d, e)
+                    assert not shards[n][b - a :].any(), (n, dp, ep, d, e)  # the rest is padding

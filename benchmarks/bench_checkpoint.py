@@ -87,6 +87,7 @@ def worker(rank: int, world: int, group, root: str, config: dict) -> dict:
     del loaded
     out["sharded_load"] = {"seconds": seconds, "peak_extra_bytes": peak}
     out["sharded_files_bytes"] = sum(p.stat().st_size for p in Path(path).iterdir())
+    dist.barrier()  # every rank has measured the folder before rank 0 removes it
     if rank == 0:
         shutil.rmtree(sharded_dir)
 

@@ -170,20 +170,30 @@ def save_sharded(
     (nothing is written); CheckpointWriteError when a rank fails to write (the temp folder is
     removed, the earlier checkpoints are left as they were).
     """
-    rank, world = _rank_world()
-    text = _trainer_text(step, keep, trainer_state) if rank == 0 else ""
+    rank, _ = _rank_world()
     root = Path(dir)
     final = root / f"step_{step:08d}"
-    held = {"model": _held(model, "model"), "optim": _held(optim, "optim")}
-    bad = next(
-        (f"{kind} tensor {name!r}" for kind, shards in (("model", model), ("optim", optim))
-         for name, s in shards.items() if not _finite(s.data)),
-        None,
-    )  # fmt: skip
+    # checks that fail on some ranks only are exchanged first, so every rank raises (none waits)
+    problem, text, held, bad = None, "", {}, None
+    try:
+        text = _trainer_text(step, keep, trainer_state) if rank == 0 else ""
+        held = {"model": _held(model, "model"), "optim": _held(optim, "optim")}
+        bad = next(
+            (f"{kind} tensor {name!r}" for kind, shards in (("model", model), ("optim", optim))
+             for name, s in shards.items() if not _finite(s.data)),
+            None,
+        )  # fmt: skip
+    except ValueError as e:
+        problem = f"rank {rank}: {e}"
     # rank 0 names the temp folder; it is created once every rank knows its pieces are finite
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}" if rank == 0 else None
-    everyone = _all_gather_objects({"held": held, "bad": bad, "tmp": None if tmp is None else str(tmp)})
+    everyone = _all_gather_objects(
+        {"held": held, "bad": bad, "problem": problem, "tmp": None if tmp is None else str(tmp)}
+    )
     tmp = Path(everyone[0]["tmp"])
+    problem = next((e["problem"] for e in everyone if e["problem"] is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
     failed = next(((r, e["bad"]) for r, e in enumerate(everyone) if e["bad"] is not None), None)
     if failed is not None:
         raise ValueError(
@@ -222,7 +232,10 @@ def save_sharded(
             except CheckpointWriteError as written:
                 raised = written
         if raised is None:
-            _after_install(root, old, keep)
+            try:
+                _after_install(root, old, keep)
+            except Exception as e:  # the checkpoint is in place; the others must not wait for rank 0
+                raised = e
     outcome = _all_gather_objects(None if raised is None else str(raised))[0]
     if raised is not None:
         raise raised

@@ -1,24 +1,41 @@
 """Checkpoints: safetensors keyed by global parameter names, written atomically, with trainer state.
 
-A checkpoint directory holds one folder per saved step:
+A checkpoint directory holds one folder per saved step. A run writes it sharded, nothing gathered:
 
     <dir>/step_00001000/
-        model.safetensors     params: {global parameter name: tensor}, dtypes kept, contiguous
-        optim.safetensors     the optimizer state as a flat dict (``fmoe.optim.state_to_flat``)
-        trainer.json          {"step": N, ...trainer_state}: data cursor, RNG states, anything JSON
-        manifest.json         {"format": 1, "files": {file name: {"bytes": n, "sha256": hex}}}
+        model.safetensors           rank 0's pieces of the parameters
+        model-rank00003.safetensors rank 3's pieces (a rank that owns no piece writes no file)
+        optim.safetensors           rank 0's pieces of the optimizer state (``fmoe.optim.state_to_flat`` keys)
+        optim-rank00003.safetensors ...
+        index.json                  {"format": 2, "model": {name: entry}, "optim": {key: entry}}
+        trainer.json                {"step": N, ...trainer_state}: data cursor, RNG states, anything JSON
+        manifest.json               {"format": 2, "files": {file name: {"bytes": n, "sha256": hex}}}
 
-A folder is first written as ``<dir>/.tmp-step_<N>-<pid>-<id>``, every file and the folder fsynced,
-then renamed to ``step_<N>``: a ``step_*`` folder is always complete, and a crash mid-write leaves
-the previous checkpoints as they were (and a ``.tmp-*`` folder that :func:`clean_temp` removes at the
-next start). Old checkpoints are dropped by renaming them to ``.tmp-drop-*`` first, so a crash while
-deleting one leaves no half-deleted ``step_*`` folder. Non-finite tensors are never written.
+A piece is a flat range of a canonical tensor: ``entry = {"shape": [...], "dtype": "float32",
+"pieces": [{"file": f, "start": a, "stop": b}, ...]}`` says that elements [a, b) of the tensor
+flattened (row-major) are stored in file f under the tensor's global name (1-D, or with the
+tensor's own shape when the piece is the whole tensor). The pieces of an entry tile [0, numel)
+exactly; a range several ranks hold (replicas) is written once, by the lowest of them
+(:func:`save_sharded`). Loading on any layout reads only the ranges a rank needs
+(:meth:`Checkpoint.read`, through safetensors' lazy ``get_slice``), whatever layout wrote them.
 
-Integrity: the manifest records each file's SHA-256 (hashed from the bytes on disk after the write),
-and :func:`load` verifies it before reading: a flipped bit or a truncated file is a
+:func:`save` writes the older, gathered form (format 1: whole tensors in ``model.safetensors`` and
+``optim.safetensors``, no index): ``fmoe checkpoint import-hf`` writes it, and :func:`open_checkpoint`
+reads it as a checkpoint with one file per kind whose pieces are whole tensors.
+
+A folder is first written as ``<dir>/.tmp-step_<N>-<pid>-<id>`` (every rank writing its files into
+it), every file and the folder fsynced, then renamed to ``step_<N>`` by rank 0: a ``step_*`` folder
+is always complete, and a crash mid-write leaves the previous checkpoints as they were (and a
+``.tmp-*`` folder that :func:`clean_temp` removes at the next start). Old checkpoints are dropped by
+renaming them to ``.tmp-drop-*`` first, so a crash while deleting one leaves no half-deleted
+``step_*`` folder. Non-finite tensors are never written (every rank checks its pieces, all agree
+before anything is written).
+
+Integrity: the manifest records each file's SHA-256 (each writer hashes its files from the bytes on
+disk after the write), and :func:`verify` checks them: a flipped bit or a truncated file is a
 :class:`CorruptCheckpointError` naming the file; :func:`newest_intact` picks the newest checkpoint
-that verifies. Nothing here knows the parallel layout: callers save and load whole tensors under
-global names (gathered / sliced by the caller), so a run can resume on another.
+that verifies. Nothing here knows the parallel layout: callers say which range of which canonical
+tensor they hold (:class:`Shard`), so a run can resume on another layout.
 """
 
 from __future__ import annotations
@@ -26,23 +43,31 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import shutil
+import struct
 import uuid
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
 
 MODEL, OPTIM, TRAINER = "model.safetensors", "optim.safetensors", "trainer.json"
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST, INDEX = "manifest.json", "index.json"
+MANIFEST_FORMAT = 1  # gathered: whole tensors in MODEL and OPTIM
+SHARDED_FORMAT = 2  # sharded: pieces in per-rank files, described by INDEX
+KINDS = ("model", "optim")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _MOVED_ASIDE = re.compile(r"^\.tmp-old-(step_\d{8,})-[0-9a-f]+$")
 
@@ -64,7 +89,10 @@ def save(
     trainer_state: Mapping[str, Any],
     keep: int = 3,
 ) -> Path:
-    """Write ``<dir>/step_<step:08d>/`` atomically and keep only the newest ``keep`` checkpoints.
+    """Write ``<dir>/step_<step:08d>/`` atomically, gathered (format 1: whole tensors from one
+    process), and keep only the newest ``keep`` checkpoints. A training run writes sharded
+    checkpoints instead (:func:`save_sharded`); this form is for whole dicts in one process
+    (``fmoe checkpoint import-hf``, tools).
 
     params / opt_state_flat: flat ``{name: tensor}`` (any device; saved from CPU copies).
     trainer_state: JSON-able dict (data cursor, ``capture_rng()``, ...); "step" is added.
@@ -72,15 +100,7 @@ def save(
     (before anything is written); CheckpointWriteError (chaining the cause) if writing fails, e.g.
     a full disk: the partial folder is removed and the earlier checkpoints are left as they were.
     """
-    if not (isinstance(step, int) and step >= 0):
-        raise ValueError(f"checkpoint save: step must be an int >= 0, got {step!r}")
-    if not (isinstance(keep, int) and keep >= 1):
-        raise ValueError(f"checkpoint save: keep must be an int >= 1, got {keep!r}")
-    if "step" in trainer_state and trainer_state["step"] != step:
-        raise ValueError(
-            f"checkpoint save: trainer_state['step'] = {trainer_state['step']!r} differs from step {step}"
-        )
-    text = _to_json({**trainer_state, "step": step})
+    text = _trainer_text(step, keep, trainer_state)
     model = _saveable(params, "params")
     optim = _saveable(opt_state_flat, "opt_state_flat")
 
@@ -88,36 +108,139 @@ def save(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    old = None
+    old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         meta = {"fmoe_step": str(step)}
         _write_tensors(tmp / MODEL, model, {**meta, "fmoe_content": "model"})
         _write_tensors(tmp / OPTIM, optim, {**meta, "fmoe_content": "optim"})
         _write_text(tmp / TRAINER, text)
-        files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
-                 for name in (MODEL, OPTIM, TRAINER)}  # fmt: skip
-        _write_text(tmp / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():  # saving a step again (e.g. after a resume): swap, then drop the old folder
-            old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-        os.rename(tmp, final)
+        files = {name: _digest(tmp / name) for name in (MODEL, OPTIM, TRAINER)}
+        _install(tmp, final, old, MANIFEST_FORMAT, files)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not final.exists():
-            os.rename(old, final)  # put back the checkpoint we were replacing
-        if isinstance(e, Exception):
-            raise CheckpointWriteError(
-                f"writing checkpoint {final} failed ({type(e).__name__}: {e}); the partial folder was removed"
-                + (f", {latest(root)} is intact" if latest(root) else "")
-            ) from e
+        _undo(tmp, final, old, e)
         raise
-    _fsync_dir(root)  # make the rename durable
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in list_checkpoints(root)[:-keep]:
-        _drop(stale)
+    _after_install(root, old, keep)
+    return final
+
+
+class Shard(NamedTuple):
+    """What one rank holds of one canonical tensor, for :func:`save_sharded`.
+
+    data: 1-D, any device and dtype: elements [start, start + data.numel()) of the canonical tensor
+    flattened row-major (empty when the rank's range lies wholly in padding); shape: the canonical
+    tensor's shape."""
+
+    data: Tensor
+    start: int
+    shape: tuple[int, ...]
+
+
+def whole(t: Tensor) -> Shard:
+    """A whole tensor as a :class:`Shard` (replicated values such as the optimizer's step count)."""
+    return Shard(t.detach().reshape(-1), 0, tuple(t.shape))
+
+
+def rank_file(kind: str, rank: int) -> str:
+    """The file ``rank`` writes its pieces of ``kind`` ("model" or "optim") into: rank 0's are the
+    gathered form's names, so a checkpoint written by one process has the familiar two files."""
+    base = {"model": MODEL, "optim": OPTIM}[kind]
+    return base if rank == 0 else base.replace(".safetensors", f"-rank{rank:05d}.safetensors")
+
+
+def save_sharded(
+    dir: str | os.PathLike,
+    step: int,
+    model: Mapping[str, Shard],
+    optim: Mapping[str, Shard],
+    trainer_state: Mapping[str, Any],
+    keep: int = 3,
+) -> Path:
+    """Every rank of the default process group calls it with its own pieces; writes
+    ``<dir>/step_<step:08d>/`` atomically (format 2) and keeps only the newest ``keep`` checkpoints.
+
+    model / optim: this rank's :class:`Shard` of each canonical tensor it holds (parameters; the
+    optimizer state's flat keys). Ranks may hold the same range (replicas): the lowest of them
+    writes it. trainer_state: rank 0's is written. Nothing is gathered: the ranks exchange only the
+    ranges they hold, then each writes its pieces into the shared temp folder and hashes its files;
+    rank 0 writes the index and manifest and renames the folder into place.
+
+    Returns the checkpoint's path on every rank. Raises on every rank: ValueError naming the tensor
+    when a piece holds a NaN or an infinity, or when the ranks' ranges do not tile a tensor exactly
+    (nothing is written); CheckpointWriteError when a rank fails to write (the temp folder is
+    removed, the earlier checkpoints are left as they were).
+    """
+    rank, _ = _rank_world()
+    root = Path(dir)
+    final = root / f"step_{step:08d}"
+    # checks that fail on some ranks only are exchanged first, so every rank raises (none waits)
+    problem, text, held, bad = None, "", {}, None
+    try:
+        text = _trainer_text(step, keep, trainer_state) if rank == 0 else ""
+        held = {"model": _held(model, "model"), "optim": _held(optim, "optim")}
+        bad = next(
+            (f"{kind} tensor {name!r}" for kind, shards in (("model", model), ("optim", optim))
+             for name, s in shards.items() if not _finite(s.data)),
+            None,
+        )  # fmt: skip
+    except ValueError as e:
+        problem = f"rank {rank}: {e}"
+    # rank 0 names the temp folder; it is created once every rank knows its pieces are finite
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}" if rank == 0 else None
+    everyone = _all_gather_objects(
+        {"held": held, "bad": bad, "problem": problem, "tmp": None if tmp is None else str(tmp)}
+    )
+    tmp = Path(everyone[0]["tmp"])
+    problem = next((e["problem"] for e in everyone if e["problem"] is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
+    failed = next(((r, e["bad"]) for r, e in enumerate(everyone) if e["bad"] is not None), None)
+    if failed is not None:
+        raise ValueError(
+            f"checkpoint save: {failed[1]} (rank {failed[0]}'s piece) holds non-finite values; nothing was written"
+        )
+    index, owned = _plan([e["held"] for e in everyone], rank)
+
+    # every rank writes the pieces it owns; rank 0 always writes its two files
+    digests, error = {}, None
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
+        for kind, shards in (("model", model), ("optim", optim)):
+            if owned[kind] or rank == 0:
+                name = rank_file(kind, rank)
+                tensors = _storage_disjoint({n: _piece_tensor(shards[n]) for n in owned[kind]})
+                _write_tensors(tmp / name, tensors, {"fmoe_step": str(step), "fmoe_content": kind})
+                digests[name] = _digest(tmp / name)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    reports = _all_gather_objects({"files": digests, "error": error})
+    raised: BaseException | None = None
+    if rank == 0:
+        old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            failed = next(((r, e["error"]) for r, e in enumerate(reports) if e["error"] is not None), None)
+            if failed is not None:
+                raise OSError(f"rank {failed[0]}: {failed[1]}")
+            files = {name: d for e in reports for name, d in e["files"].items()}
+            _write_text(tmp / INDEX, json.dumps({"format": SHARDED_FORMAT, **index}, indent=1))
+            _write_text(tmp / TRAINER, text)
+            files.update({name: _digest(tmp / name) for name in (INDEX, TRAINER)})
+            _install(tmp, final, old, SHARDED_FORMAT, files)
+        except Exception as e:
+            try:
+                _undo(tmp, final, old, e)
+            except CheckpointWriteError as written:
+                raised = written
+        if raised is None:
+            try:
+                _after_install(root, old, keep)
+            except Exception as e:  # the checkpoint is in place; the others must not wait for rank 0
+                raised = e
+    outcome = _all_gather_objects(None if raised is None else str(raised))[0]
+    if raised is not None:
+        raise raised
+    if outcome is not None:
+        raise CheckpointWriteError(f"rank 0 reports: {outcome}")
     return final
 
 
@@ -164,29 +287,26 @@ def latest(dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def verify(path: str | os.PathLike) -> bool:
-    """Check every file of a checkpoint folder against its manifest's size and SHA-256.
+def verify(path: str | os.PathLike, files: Collection[str] | None = None) -> bool:
+    """Check the files of a checkpoint folder against its manifest's sizes and SHA-256.
 
-    Returns True when verified, False for a folder without a manifest (written before checksums
-    existed: nothing to verify against). FileNotFoundError naming a missing file;
-    CorruptCheckpointError naming the first file that differs (or a corrupt manifest).
+    files: the file names to check (default: every file the manifest lists; ``manifest_files``
+    gives them, so several processes may each check a share). Returns True when verified, False
+    for a folder without a manifest (written before checksums existed: nothing to verify against).
+    FileNotFoundError naming a missing file; CorruptCheckpointError naming the first file that
+    differs (or a corrupt manifest).
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint {folder} does not exist")
-    manifest_file = folder / MANIFEST
-    if not manifest_file.is_file():
+    expected = _manifest(folder)
+    if expected is None:
         return False
-    try:
-        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        expected = {
-            name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in (MODEL, OPTIM, TRAINER)
-        }
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise CorruptCheckpointError(f"{manifest_file}: corrupt manifest ({type(e).__name__}: {e})") from e
-    for name, (size, digest) in expected.items():
+    for name in expected if files is None else files:
         file = folder / name
+        if name not in expected:
+            raise CorruptCheckpointError(f"{file}: not in the manifest")
+        size, digest = expected[name]
         if not file.is_file():
             raise FileNotFoundError(f"{file}: missing")
         got = file.stat().st_size
@@ -197,6 +317,37 @@ def verify(path: str | os.PathLike) -> bool:
         if file_sha256(file) != digest:
             raise CorruptCheckpointError(f"{file}: SHA-256 differs from the manifest's (corrupt)")
     return True
+
+
+def manifest_files(path: str | os.PathLike) -> list[str]:
+    """The file names a checkpoint's manifest lists, sorted ([] without a manifest);
+    CorruptCheckpointError for a corrupt manifest."""
+    expected = _manifest(Path(path))
+    return [] if expected is None else sorted(expected)
+
+
+def _manifest(folder: Path) -> dict[str, tuple[int, str]] | None:
+    """{file name: (bytes, sha256)} of the manifest; None without one. A format-1 manifest must
+    list the three gathered files, a format-2 one the index and trainer state."""
+    manifest_file = folder / MANIFEST
+    if not manifest_file.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        required = (
+            (MODEL, OPTIM, TRAINER)
+            if manifest["format"] == MANIFEST_FORMAT
+            else (MODEL, OPTIM, INDEX, TRAINER)
+        )
+        expected = {
+            name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in (*required, *files)
+        }
+        if any("/" in name or name.startswith(".") for name in expected):
+            raise ValueError("a file name outside the folder")
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise CorruptCheckpointError(f"{manifest_file}: corrupt manifest ({type(e).__name__}: {e})") from e
+    return expected
 
 
 def newest_intact(dir: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -222,48 +373,516 @@ def load(
     device: str | torch.device = "cpu",
     check_integrity: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a checkpoint folder: ``(params, opt_state_flat, trainer_state)``.
+    """Read a whole checkpoint folder (either format) into one process: ``(params, opt_state_flat,
+    trainer_state)``, every tensor whole. For small models and tools; a training run reads only its
+    own ranges (:func:`open_checkpoint`, :meth:`Checkpoint.read`).
 
-    expected_keys / expected_optim_keys: when given, the files must hold exactly those names.
-    expected_shapes: {name: shape}: the model file must hold exactly those names, with those shapes.
+    expected_keys / expected_optim_keys: when given, the checkpoint must hold exactly those names.
+    expected_shapes: {name: shape}: the model must hold exactly those names, with those shapes.
     expected_optim_shapes: {key: shape}: those optimizer keys, where present, must have those shapes.
     check_integrity: verify the files against the manifest first (False: the caller just did).
     Errors are one line naming the file: FileNotFoundError when missing, CorruptCheckpointError
     (a ValueError) when a checksum differs or a file does not parse, ValueError naming the tensor,
     the checkpoint's shape and the expected one for a shape mismatch, ValueError for other keys.
     """
+    ck = open_checkpoint(path, check_integrity)
+    if expected_shapes is not None:
+        expected_keys = list(expected_shapes)
+    ck.check("model", expected_keys, expected_shapes)
+    ck.check("optim", expected_optim_keys, expected_optim_shapes, exact=False)
+    params = {n: ck.read_whole("model", n).to(device) for n in ck.model}
+    optim = {n: ck.read_whole("optim", n).to(device) for n in ck.optim}
+    return params, optim, ck.trainer_state()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read through one small reused buffer (``hashlib.file_digest``):
+    hashing a checkpoint file costs no memory to speak of, whatever its size."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# writing: shared steps of save and save_sharded
+
+
+def _trainer_text(step: int, keep: int, trainer_state: Mapping[str, Any]) -> str:
+    if not (isinstance(step, int) and step >= 0):
+        raise ValueError(f"checkpoint save: step must be an int >= 0, got {step!r}")
+    if not (isinstance(keep, int) and keep >= 1):
+        raise ValueError(f"checkpoint save: keep must be an int >= 1, got {keep!r}")
+    if "step" in trainer_state and trainer_state["step"] != step:
+        raise ValueError(
+            f"checkpoint save: trainer_state['step'] = {trainer_state['step']!r} differs from step {step}"
+        )
+    return _to_json({**trainer_state, "step": step})
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def _install(tmp: Path, final: Path, old: Path, format: int, files: Mapping[str, Any]) -> None:
+    """Write the manifest, fsync the temp folder and rename it to ``final`` (an existing ``final``,
+    a step saved again after a resume, is first moved to ``old``)."""
+    _write_text(tmp / MANIFEST, json.dumps({"format": format, "files": dict(files)}, indent=1))
+    _fsync_dir(tmp)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+
+
+def _undo(tmp: Path, final: Path, old: Path, e: BaseException) -> None:
+    """After a failed write: remove the temp folder, put back a checkpoint moved aside, and raise
+    CheckpointWriteError (chaining ``e``) when ``e`` is an Exception."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if old.exists() and not final.exists():
+        os.rename(old, final)  # put back the checkpoint we were replacing
+    if isinstance(e, Exception):
+        root = final.parent
+        raise CheckpointWriteError(
+            f"writing checkpoint {final} failed ({type(e).__name__}: {e}); the partial folder was removed"
+            + (f", {latest(root)} is intact" if latest(root) else "")
+        ) from e
+
+
+def _after_install(root: Path, old: Path, keep: int) -> None:
+    _fsync_dir(root)  # make the rename durable
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in list_checkpoints(root)[:-keep]:
+        _drop(stale)
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable), in rank order; [obj] without a process group."""
+    rank, world = _rank_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _held(shards: Mapping[str, Shard], what: str) -> dict[str, tuple[int, int, list[int], str]]:
+    """{name: (start, stop, canonical shape, dtype name)} of this rank's shards (ValueError naming a
+    malformed one)."""
+    out = {}
+    for name, s in shards.items():
+        if not (isinstance(name, str) and isinstance(s, Shard) and isinstance(s.data, Tensor)):
+            raise ValueError(f"checkpoint save: {what} entry {name!r} is not a str -> Shard pair")
+        numel = math.prod(s.shape)
+        stop = s.start + s.data.numel()
+        if s.data.dim() != 1 or not 0 <= s.start <= stop <= numel:
+            raise ValueError(
+                f"checkpoint save: {what}[{name!r}] holds elements [{s.start}, {stop}) of a tensor of "
+                f"{numel} elements (data of shape {tuple(s.data.shape)}; 1-D expected)"
+            )
+        out[name] = (s.start, stop, list(s.shape), _dtype_name(s.data.dtype))
+    return out
+
+
+def _finite(t: Tensor) -> bool:
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def _plan(held_by_rank: Sequence[Mapping[str, Mapping[str, tuple]]], rank: int) -> tuple[dict, dict]:
+    """From every rank's held ranges: the index ({kind: {name: entry}}) and the names this rank
+    writes ({kind: [name]}): each distinct non-empty range by the lowest rank holding it.
+    ValueError naming the tensor when the ranks disagree on its shape or dtype, or their ranges
+    overlap or leave a gap (a layout bug: nothing would restore those elements)."""
+    index: dict[str, dict] = {}
+    owned: dict[str, list[str]] = {}
+    for kind in KINDS:
+        ranges: dict[str, dict[tuple[int, int], int]] = {}
+        meta: dict[str, tuple[list[int], str]] = {}
+        for r, held in enumerate(held_by_rank):
+            for name, (start, stop, shape, dtype) in held[kind].items():
+                if meta.setdefault(name, (shape, dtype)) != (shape, dtype):
+                    raise ValueError(
+                        f"checkpoint save: {kind} tensor {name!r} is {meta[name]} on one rank and "
+                        f"{(shape, dtype)} on rank {r}"
+                    )
+                if stop > start:
+                    ranges.setdefault(name, {}).setdefault((start, stop), r)
+        entries = {}
+        for name in sorted(meta):
+            shape, dtype = meta[name]
+            pieces = sorted(ranges.get(name, {}).items())
+            at = 0
+            for (start, stop), _ in pieces:
+                if start != at:
+                    raise ValueError(
+                        f"checkpoint save: the ranks' pieces of {kind} tensor {name!r} "
+                        f"{'overlap' if start < at else 'leave a gap'} at element {min(start, at)}"
+                    )
+                at = stop
+            if at != math.prod(shape):
+                raise ValueError(
+                    f"checkpoint save: the ranks' pieces of {kind} tensor {name!r} end at element {at} "
+                    f"of {math.prod(shape)}"
+                )
+            entries[name] = {
+                "shape": shape,
+                "dtype": dtype,
+                "pieces": [{"file": rank_file(kind, r), "start": a, "stop": b} for (a, b), r in pieces],
+            }
+        index[kind] = entries
+        owned[kind] = [n for n in entries for (a, b), r in ranges.get(n, {}).items() if r == rank]
+    return index, owned
+
+
+def _piece_tensor(s: Shard) -> Tensor:
+    """The bytes to store of a shard: CPU, contiguous; with the tensor's shape when it is whole."""
+    t = s.data.detach().to("cpu").contiguous()
+    if s.start == 0 and t.numel() == math.prod(s.shape):
+        t = t.view(s.shape)
+    return t
+
+
+def _storage_disjoint(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """safetensors refuses tensors that share memory (views of one buffer): copy all but the first
+    of those (one tensor at a time)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        if t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        if t.numel():
+            seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+              torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+}  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"checkpoint: dtype {dtype} cannot be stored")
+    return name
+
+
+# --------------------------------------------------------------------------------------------------
+# reading: any range of any canonical tensor, from either format
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of a canonical tensor flattened, stored in ``file`` under its name."""
+
+    file: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One canonical tensor of a checkpoint: its shape, dtype and the pieces tiling it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class Checkpoint:
+    """An opened checkpoint folder (:func:`open_checkpoint`): what it holds, read range by range.
+
+    model / optim: {name: Entry}. ``where[kind]``: the file that lists the kind's names (for
+    messages). Nothing is read until asked, and each read opens the files it needs and closes them
+    again (no mapping of a whole file stays resident)."""
+
+    def __init__(self, folder: Path, format: int, model: dict[str, Entry], optim: dict[str, Entry],
+                 where: dict[str, Path]):  # fmt: skip
+        self.folder, self.format, self.where = folder, format, where
+        self.entries = {"model": model, "optim": optim}
+
+    @property
+    def model(self) -> dict[str, Entry]:
+        return self.entries["model"]
+
+    @property
+    def optim(self) -> dict[str, Entry]:
+        return self.entries["optim"]
+
+    def read(
+        self, kind: str, name: str, start: int = 0, stop: int | None = None, out: Tensor | None = None
+    ) -> Tensor:
+        """Elements [start, stop) of canonical tensor ``name`` flattened (1-D, the stored dtype),
+        read from the pieces that overlap them and nothing else; written into ``out`` (1-D, at
+        least stop - start elements: the first stop - start are set) when given."""
+        entry = self.entries[kind][name]
+        stop = entry.numel if stop is None else stop
+        if not 0 <= start <= stop <= entry.numel:
+            raise ValueError(
+                f"{self.folder}: range [{start}, {stop}) of {kind} tensor {name!r} of {entry.numel}"
+            )
+        if out is None:
+            out = torch.empty(stop - start, dtype=entry.dtype)
+        for piece in entry.pieces:
+            lo, hi = max(start, piece.start), min(stop, piece.stop)
+            if lo >= hi:
+                continue
+            part = self._read_piece(piece, name, entry, lo - piece.start, hi - piece.start)
+            out[lo - start : hi - start].copy_(part)
+            del part
+        return out[: stop - start]
+
+    def read_whole(self, kind: str, name: str) -> Tensor:
+        """Canonical tensor ``name`` (its shape and stored dtype)."""
+        entry = self.entries[kind][name]
+        return self.read(kind, name).view(entry.shape)
+
+    def tensors(self, kind: str = "model") -> LazyTensors:
+        """The kind's tensors as a read-on-access mapping (each access assembles one whole tensor)."""
+        return LazyTensors(self, kind)
+
+    def trainer_state(self) -> dict[str, Any]:
+        file = self.folder / TRAINER
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: missing")
+        try:
+            trainer = json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            raise CorruptCheckpointError(f"{file}: corrupt JSON ({e})") from e
+        if not isinstance(trainer, dict) or not isinstance(trainer.get("step"), int):
+            raise CorruptCheckpointError(f"{file}: expected a JSON object with an int 'step'")
+        return trainer
+
+    def check(
+        self,
+        kind: str,
+        keys: Collection[str] | None = None,
+        shapes: Mapping[str, Sequence[int]] | None = None,
+        exact: bool = True,
+    ) -> None:
+        """ValueError (one line naming the file) when the kind's names are not exactly ``keys``
+        (when given), or a tensor's shape differs from ``shapes`` (those present when not exact)."""
+        have = self.entries[kind]
+        where = self.where[kind]
+        if keys is not None:
+            want = set(keys)
+            missing, unexpected = sorted(want - have.keys()), sorted(have.keys() - want)
+            if missing or unexpected:
+                raise ValueError(
+                    f"{where}: keys do not match: {len(missing)} missing {missing[:5]}, "
+                    f"{len(unexpected)} unexpected {unexpected[:5]}"
+                )
+        for name, want_shape in (shapes or {}).items():
+            if name not in have:
+                if exact:
+                    raise ValueError(f"{where}: tensor {name!r} missing")
+                continue
+            got = have[name].shape
+            if got != tuple(want_shape):
+                raise ValueError(
+                    f"{where}: tensor {name!r} has shape {got} in the checkpoint, the recipe needs "
+                    f"{tuple(want_shape)} (a checkpoint of another model: point checkpoint.dir elsewhere "
+                    f"or restore the model sizes)"
+                )
+
+    def _read_piece(self, piece: Piece, name: str, entry: Entry, a: int, b: int) -> Tensor:
+        """Elements [a, b) of one piece (1-D), through safetensors' lazy slicing: whole rows of a
+        piece stored with more than one dimension (the gathered form), cut to the range."""
+        file = self.folder / piece.file
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                dtype = sl.get_dtype()
+                if math.prod(shape) != piece.stop - piece.start or dtype != _SAFETENSORS_DTYPES[entry.dtype]:
+                    raise CorruptCheckpointError(
+                        f"{file}: tensor {name!r} is {dtype} {list(shape)}, the index records "
+                        f"{piece.stop - piece.start} elements of {entry.dtype}"
+                    )
+                if len(shape) == 0:
+                    return f.get_tensor(name).reshape(-1)[a:b]
+                if len(shape) == 1:
+                    return sl[a:b]
+                inner = math.prod(shape[1:])
+                if inner == 0:
+                    return torch.empty(0, dtype=entry.dtype)
+                first, last = a // inner, -(-b // inner)
+                rows = sl[first:last].reshape(-1)
+                return rows[a - first * inner : b - first * inner]
+        except (CorruptCheckpointError, FileNotFoundError):
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError for a bad header or length
+            raise CorruptCheckpointError(
+                f"{file}: truncated or corrupt safetensors file ({type(e).__name__}: {e})"
+            ) from e
+
+
+class LazyTensors(Mapping):
+    """A checkpoint kind's canonical tensors as a mapping; ``tensors[name]`` reads that one whole
+    tensor (nothing is cached). ``meta``: {name: (shape, dtype)} without reading anything."""
+
+    def __init__(self, checkpoint: Checkpoint, kind: str):
+        self.checkpoint, self.kind = checkpoint, kind
+        self.meta = {n: (e.shape, e.dtype) for n, e in checkpoint.entries[kind].items()}
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self.meta:
+            raise KeyError(name)
+        return self.checkpoint.read_whole(self.kind, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.meta)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+
+def open_checkpoint(path: str | os.PathLike, check_integrity: bool = True) -> Checkpoint:
+    """Open a checkpoint folder of either format (reads its index, or the gathered files' headers).
+
+    check_integrity: verify every file against the manifest first (False: the caller did, e.g.
+    every rank a share of the files). FileNotFoundError / CorruptCheckpointError name the file."""
     folder = Path(path)
     if check_integrity:
         verify(folder)
     elif not folder.is_dir():
         raise FileNotFoundError(f"checkpoint {folder} does not exist")
-    if expected_shapes is not None:
-        expected_keys = list(expected_shapes)
-    params = _read_tensors(folder / MODEL, expected_keys, device)
-    optim = _read_tensors(folder / OPTIM, expected_optim_keys, device)
-    _check_shapes(folder / MODEL, params, expected_shapes or {})
-    _check_shapes(
-        folder / OPTIM, optim, {k: v for k, v in (expected_optim_shapes or {}).items() if k in optim}
-    )
-    trainer_file = folder / TRAINER
-    if not trainer_file.is_file():
-        raise FileNotFoundError(f"{trainer_file}: missing")
+    index_file = folder / INDEX
+    if not index_file.is_file():  # the gathered form: whole tensors in MODEL and OPTIM
+        entries = {kind: _whole_entries(folder / file) for kind, file in (("model", MODEL), ("optim", OPTIM))}
+        return Checkpoint(folder, MANIFEST_FORMAT, entries["model"], entries["optim"],
+                          {"model": folder / MODEL, "optim": folder / OPTIM})  # fmt: skip
     try:
-        trainer = json.loads(trainer_file.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as e:
-        raise CorruptCheckpointError(f"{trainer_file}: corrupt JSON ({e})") from e
-    if not isinstance(trainer, dict) or not isinstance(trainer.get("step"), int):
-        raise CorruptCheckpointError(f"{trainer_file}: expected a JSON object with an int 'step'")
-    return params, optim, trainer
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        if index.get("format") != SHARDED_FORMAT:
+            raise ValueError(f"format {index.get('format')!r}, expected {SHARDED_FORMAT}")
+        entries = {
+            kind: {
+                name: Entry(
+                    tuple(int(d) for d in e["shape"]),
+                    _DTYPES[e["dtype"]],
+                    tuple(Piece(str(p["file"]), int(p["start"]), int(p["stop"])) for p in e["pieces"]),
+                )
+                for name, e in index[kind].items()
+            }
+            for kind in KINDS
+        }
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        raise CorruptCheckpointError(f"{index_file}: corrupt index ({type(e).__name__}: {e})") from e
+    for kind in KINDS:
+        for name, entry in entries[kind].items():
+            at = 0
+            for piece in entry.pieces:
+                if piece.start != at or piece.stop <= piece.start or "/" in piece.file:
+                    break
+                at = piece.stop
+            if at != entry.numel:
+                raise CorruptCheckpointError(
+                    f"{index_file}: the pieces of {kind} tensor {name!r} do not tile its {entry.numel} elements"
+                )
+    where = {kind: Path(f"{index_file} ({kind})") for kind in KINDS}
+    return Checkpoint(folder, SHARDED_FORMAT, entries["model"], entries["optim"], where)
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
+def _whole_entries(file: Path) -> dict[str, Entry]:
+    """The gathered form: every tensor of ``file`` as one whole piece (read from its header only)."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing")
+    reverse = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            out = {}
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                out[name] = Entry(shape, reverse[sl.get_dtype()], (Piece(file.name, 0, math.prod(shape)),))
+            return out
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"{file}: truncated or corrupt safetensors file ({type(e).__name__}: {e})"
+        ) from e
+
+
+# --------------------------------------------------------------------------------------------------
+# a safetensors file written tensor by tensor
+
+
+class StreamedSafetensors:
+    """Write one safetensors file whose header (names, dtypes, shapes, in order) is known up front,
+    then each tensor's bytes as it comes: the writer holds one tensor at a time, never the file's.
+
+        with StreamedSafetensors(path, [(name, dtype, shape), ...], metadata) as w:
+            for name, t in ...: w.write(name, t)
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: Mapping[str, str] | None = None):  # fmt: skip
+        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        self.order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in specs:
+            if name in header or name == "__metadata__":
+                raise ValueError(f"{path}: tensor {name!r} twice")
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}  # fmt: skip
+            offset += size
+            self.order.append((name, dtype, tuple(shape)))
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.path = Path(path)
+        self.file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self.file.write(struct.pack("<Q", len(text)) + text)
+        self.next = 0
+
+    def write(self, name: str, t: Tensor) -> None:
+        want = self.order[self.next] if self.next < len(self.order) else None
+        if want is None or (name, t.dtype, tuple(t.shape)) != want:
+            raise ValueError(
+                f"{self.path}: got tensor {name!r} {t.dtype} {tuple(t.shape)}, the header's next is {want}"
+            )
+        data = t.detach().to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            self.file.write(memoryview(data.view(torch.uint8).numpy()))
+        self.next += 1
+
+    def close(self) -> None:
+        try:
+            if self.next != len(self.order):
+                raise ValueError(
+                    f"{self.path}: {len(self.order) - self.next} tensors of the header not written"
+                )
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+
+    def __enter__(self) -> StreamedSafetensors:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.file.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,18 +940,6 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 # helpers
 
 
-def _check_shapes(
-    file: Path, tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]]
-) -> None:
-    for name, want in shapes.items():
-        got = tuple(tensors[name].shape)
-        if got != tuple(want):
-            raise ValueError(
-                f"{file}: tensor {name!r} has shape {got} in the checkpoint, the recipe needs {tuple(want)} "
-                f"(a checkpoint of another model: point checkpoint.dir elsewhere or restore the model sizes)"
-            )
-
-
 def _write_text(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -356,28 +963,6 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _read_tensors(
-    file: Path, expected: Collection[str] | None, device: str | torch.device
-) -> dict[str, torch.Tensor]:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: missing")
-    try:
-        tensors = load_file(str(file), device=str(device))
-    except Exception as e:  # safetensors raises its own SafetensorError for a bad header or length
-        raise CorruptCheckpointError(
-            f"{file}: truncated or corrupt safetensors file ({type(e).__name__}: {e})"
-        ) from e
-    if expected is not None:
-        want = set(expected)
-        missing, unexpected = sorted(want - tensors.keys()), sorted(tensors.keys() - want)
-        if missing or unexpected:
-            raise ValueError(
-                f"{file}: keys do not match: {len(missing)} missing {missing[:5]}, "
-                f"{len(unexpected)} unexpected {unexpected[:5]}"
-            )
-    return tensors
 
 
 def _saveable(tensors: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:

@@ -52,12 +52,13 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
     recipe = R.load(args.recipe)
     path = Path(args.checkpoint)
-    if (path / "model.safetensors").is_file() is False:
+    if (path / checkpoint.MODEL).is_file() is False:
         found = checkpoint.latest(path)
         if found is None:
             raise FileNotFoundError(f"{path}: no checkpoint (no model.safetensors, no step_* folder)")
         path = Path(found)
-    params, _, _ = checkpoint.load(path)
+    # read lazily: the export assembles one canonical tensor at a time from the checkpoint's pieces
+    params = checkpoint.open_checkpoint(path).tensors("model")
     # default: the checkpoint's own dtype (fp32 masters stay fp32; a cast is asked for by --dtype)
     dtype = None if args.dtype is None else {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     try:

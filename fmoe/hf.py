@@ -11,14 +11,16 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
+from fmoe.checkpoint import LazyTensors, StreamedSafetensors
 from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "deepseek_v2": deepseek_v2, "gpt_oss": gpt_oss}
@@ -116,21 +118,37 @@ class WeightsMismatch(ValueError):
     """Weights that do not fit the config they are exported with; the message names the tensor."""
 
 
-def _check_params_fit(fam: ModuleType, cfg, params: dict[str, Tensor]) -> None:
-    """WeightsMismatch naming the first parameter that the config's model lacks, or has another shape."""
+def _check_params_fit(fam: ModuleType, cfg, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """WeightsMismatch naming the first parameter that the config's model lacks, or has another
+    shape. meta: {name: (shape, dtype)} of the weights (nothing is read)."""
     shapes = fam.param_shapes(cfg)
-    missing = [n for n in shapes if n not in params]
-    extra = [n for n in params if n not in shapes]
+    missing = [n for n in shapes if n not in meta]
+    extra = [n for n in meta if n not in shapes]
     if missing or extra:
         raise WeightsMismatch(
             f"the weights do not fit the model config: missing {missing[:3]}, unexpected {extra[:3]}"
         )
     for name, shape in shapes.items():
-        if tuple(params[name].shape) != tuple(shape):
+        if tuple(meta[name][0]) != tuple(shape):
             raise WeightsMismatch(
-                f"the weights do not fit the model config: {name} has shape {list(params[name].shape)}, "
+                f"the weights do not fit the model config: {name} has shape {list(meta[name][0])}, "
                 f"the config gives {list(shape)}"
             )
+
+
+def _hf_tensors_of(
+    fam: ModuleType, cfg, name: str, t: Tensor, dtype: torch.dtype | None
+) -> dict[str, Tensor]:
+    """The Hugging Face tensors one canonical tensor becomes: the family's ``to_hf`` maps every
+    parameter on its own (experts unstacked, transposed, a buffer dropped), so it is called on a
+    one-entry dict. With meta tensors this gives names, shapes and dtypes without data."""
+    return {k: v.to(dtype) if dtype else v for k, v in fam.to_hf(cfg, {name: t}).items()}
+
+
+def _write_converted(writer, fam: ModuleType, cfg, name: str, t: Tensor, dtype: torch.dtype | None) -> None:
+    """Convert one canonical tensor and write its Hugging Face tensors (all freed on return)."""
+    for key, v in _hf_tensors_of(fam, cfg, name, t.detach(), dtype).items():
+        writer.write(key, v)
 
 
 def _umask() -> int:
@@ -143,7 +161,7 @@ def _umask() -> int:
 def export_hf(
     family_name: str,
     cfg,
-    params: dict[str, Tensor],
+    params: Mapping[str, Tensor],
     out_dir: str | Path,
     dtype: torch.dtype | None = None,
     *,
@@ -153,6 +171,9 @@ def export_hf(
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (+ a tokenizer) for transformers; returns the folder.
 
+    params: {name: tensor}, or a checkpoint's lazy view (``checkpoint.open_checkpoint(path).tensors()``):
+    the export streams tensor by tensor, each canonical tensor read (assembled from its pieces),
+    converted, written and freed before the next, so at most one full tensor is held at a time.
     dtype: the tensors' dtype in the file (None: as in ``params``, the checkpoint's own dtype).
     tokenizer: "bytes" or a tokenizer.json path: the data's tokenizer, written beside the model
     (tokenizer.json + tokenizer_config.json) so ``AutoTokenizer.from_pretrained`` gives the ids
@@ -165,11 +186,23 @@ def export_hf(
     fam = family(family_name)
     out_dir = Path(out_dir).resolve()  # "." and "x/.." name their folder, not ""
     _check_out_dir(out_dir, overwrite, tuple(Path(p).resolve() for p in protect))
-    _check_params_fit(fam, cfg, params)
-    tensors = {
-        k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
-        for k, v in fam.to_hf(cfg, params).items()
-    }
+    meta = (
+        params.meta
+        if isinstance(params, LazyTensors)
+        else {n: (tuple(t.shape), t.dtype) for n, t in params.items()}
+    )
+    _check_params_fit(fam, cfg, meta)
+    # the file's header first: every output tensor's name, dtype and shape, from meta tensors
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    source: dict[str, str] = {}
+    for name, (shape, dt) in meta.items():
+        for key, v in _hf_tensors_of(
+            fam, cfg, name, torch.empty(shape, dtype=dt, device="meta"), dtype
+        ).items():
+            if key in source:
+                raise ValueError(f"{family_name}.to_hf gives {key!r} for both {source[key]!r} and {name!r}")
+            source[key] = name
+            specs.append((key, v.dtype, tuple(v.shape)))
     files = {} if tokenizer is None else _tokenizer_files(tokenizer, cfg.max_position_embeddings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -177,10 +210,12 @@ def export_hf(
     old = out_dir.with_name(f".{out_dir.name}.old-{tag}")
     os.mkdir(tmp)  # not mkdtemp: its 0700 would make the export private to this user
     try:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())  # safetensors writes it 0600
+        with StreamedSafetensors(tmp / "model.safetensors", specs, {"format": "pt"}) as writer:
+            for name in meta:
+                _write_converted(writer, fam, cfg, name, params[name], dtype)
+        os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())
         config = fam.hf_config(cfg)
-        config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        config["torch_dtype"] = str(specs[0][1]).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, contents in files.items():
             (tmp / name).write_bytes(contents)

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline, schedules
 from fmoe import dist as D
+from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.recipe import Recipe, RecipeError
@@ -228,9 +229,9 @@ def _check_writable(folder: str, field_name: str, where: str) -> None:
         ) from None
 
 
-def _resume_point(recipe: Recipe) -> Path | None:
-    """Rank 0, before any compute: check the output folders, tidy what a killed run left, and pick
-    the newest checkpoint whose checksums verify (a warning names a corrupt newer one)."""
+def _resume_candidates(recipe: Recipe) -> list[Path]:
+    """Rank 0, before any compute: check the output folders, tidy what a killed run left, and list
+    the checkpoints to resume from, newest first ([] when checkpoint.resume is off)."""
     where = recipe.path or "recipe"
     _check_writable(recipe.checkpoint.dir, "checkpoint.dir", where)
     _check_writable(recipe.log.dir, "log.dir", where)
@@ -238,34 +239,59 @@ def _resume_point(recipe: Recipe) -> Path | None:
     for line in checkpoint.clean_temp(ckpt_dir):
         _warn(f"an interrupted run's leftovers: {line}")
     if not recipe.checkpoint.resume:
-        return None
-    chosen, rejected = checkpoint.newest_intact(ckpt_dir)
-    if rejected and chosen is None:
-        raise checkpoint.CorruptCheckpointError(
-            f"no intact checkpoint under {ckpt_dir} (newest: {rejected[0][1]}); "
-            f"move the folder away to start afresh"
-        )
-    for bad, reason in rejected:
-        _warn(f"checkpoint {bad} is corrupt ({reason}); resuming from {chosen}, the newest intact one")
-    return chosen
+        return []
+    return list(reversed(checkpoint.list_checkpoints(ckpt_dir)))
+
+
+def _verify_share(path: Path, rank: int, world: int) -> str | None:
+    """Check this rank's share of a checkpoint's files (every world-th of the manifest's, from the
+    rank's own): None when they verify, else the reason."""
+    try:
+        checkpoint.verify(path, checkpoint.manifest_files(path)[rank::world])
+    except (checkpoint.CorruptCheckpointError, FileNotFoundError) as e:
+        return str(e)
+    return None
 
 
 def _agree_on_resume_point(recipe: Recipe, mesh) -> Path | None:
-    """``_resume_point`` on rank 0, its answer (or its error, raised everywhere) on every rank."""
-    chosen, error = None, None
+    """The newest checkpoint whose checksums verify, the same on every rank (a warning names a
+    corrupt newer one). Rank 0 prepares the folders and lists the candidates; every rank hashes a
+    share of each candidate's files, so no one process reads the whole checkpoint."""
+    candidates, error = [], None
     if mesh.rank == 0:
         try:
-            chosen = _resume_point(recipe)
+            candidates = _resume_candidates(recipe)
         except (ValueError, OSError) as e:
             error = e
     if mesh.world > 1:
-        box = [None if chosen is None else str(chosen), None if error is None else str(error)]
+        box = [[str(c) for c in candidates], None if error is None else str(error)]
         dist.broadcast_object_list(box, src=0)
-        chosen = None if box[0] is None else Path(box[0])
+        candidates = [Path(c) for c in box[0]]
         if error is None and box[1] is not None:
             raise ValueError(box[1])
     if error is not None:
         raise error
+    chosen, rejected = None, []
+    for path in candidates:
+        reason = _verify_share(path, mesh.rank, mesh.world)
+        reasons = [reason] if mesh.world == 1 else [None] * mesh.world
+        if mesh.world > 1:
+            dist.all_gather_object(reasons, reason)
+        bad = next((r for r in reasons if r is not None), None)
+        if bad is None:
+            chosen = path
+            break
+        rejected.append((path, bad))
+    if rejected and chosen is None:
+        raise checkpoint.CorruptCheckpointError(
+            f"no intact checkpoint under {recipe.checkpoint.dir} (newest: {rejected[0][1]}); "
+            f"move the folder away to start afresh"
+        )
+    if mesh.rank == 0:
+        for bad_path, reason in rejected:
+            _warn(
+                f"checkpoint {bad_path} is corrupt ({reason}); resuming from {chosen}, the newest intact one"
+            )
     return chosen
 
 
@@ -313,50 +339,87 @@ def _schedule(recipe: Recipe, mesh):
     return table
 
 
-def _opt_canonical(state, infos, mesh, names) -> dict[str, Tensor] | None:
-    """The optimizer state keyed by global names, layout-free (rank 0; None elsewhere)."""
-    flat: dict[str, Tensor] = {}
-    for prefix in ("exp_avg/", "exp_avg_sq/"):
-        full = parallel.canonical({n: state[prefix + n] for n in infos}, infos, mesh, names)
-        if full is not None:
-            flat.update({prefix + n: t for n, t in full.items()})
-    if mesh.rank != 0:
-        return None
-    flat.update({k: v.detach().cpu() for k, v in state.items() if "/" not in k})
+def _shard_range(name: str, info: parallel.ShardInfo, mesh, shape) -> tuple[int, int]:
+    """[start, stop): the elements of canonical tensor ``name`` (flattened) that this rank's flat
+    shard holds, its padding excluded. Experts: this ep rank's experts are rows [lo, hi) of the
+    canonical tensor, so its ep-local tensor is the flat range from lo x (elements per expert)."""
+    base = 0
+    if is_expert_param(name) and mesh.ep > 1:
+        lo, _ = expert_range(shape[0], mesh.ep, mesh.coords["ep"])
+        base = lo * math.prod(shape[1:])
+    first = min(info.index * info.shard_numel, info.numel)
+    return base + first, base + min(first + info.shard_numel, info.numel)
+
+
+def _checkpoint_shards(tensors, infos, mesh, shapes) -> dict[str, checkpoint.Shard]:
+    """{name: Shard} of this rank's flat shards (params, or one optimizer moment keyed by param name)."""
+    out = {}
+    for name, t in tensors.items():
+        start, stop = _shard_range(name, infos[name], mesh, shapes[name])
+        out[name] = checkpoint.Shard(t.detach()[: stop - start], start, tuple(shapes[name]))
+    return out
+
+
+def _opt_canonical(state, infos, mesh, shapes) -> dict[str, checkpoint.Shard]:
+    """This rank's pieces of the optimizer state under its flat keys: ``<kind>/<param>`` tensors as
+    the param's shard, the rest (step count, last gradient norm: the same on every rank) whole."""
+    out = {}
+    for key, value in optim.state_to_flat(state).items():
+        name = key.partition("/")[2]
+        if name in infos:
+            out[key] = _checkpoint_shards({name: value}, infos, mesh, shapes)[name]
+        else:
+            out[key] = checkpoint.whole(value)
+    return out
+
+
+def _read_shard(
+    ck: checkpoint.Checkpoint, kind: str, key: str, name: str, info, mesh, shape, device
+) -> Tensor:
+    """This rank's flat shard (padded with zeros) of ``key`` read from ``ck``: only its own range."""
+    start, stop = _shard_range(name, info, mesh, shape)
+    flat = torch.zeros(info.shard_numel, dtype=ck.entries[kind][key].dtype)
+    ck.read(kind, key, start, stop, out=flat)
+    return flat.to(device)
+
+
+def _opt_shard(ck: checkpoint.Checkpoint, infos, mesh, shapes, device) -> dict[str, Tensor]:
+    """This rank's optimizer state flat dict from ``ck``: its shards of the per-parameter keys of
+    its parameters (other ranks' parameters skipped), the other keys whole."""
+    flat = {}
+    for key in ck.optim:
+        kind, _, name = key.partition("/")
+        if name in infos:
+            flat[key] = _read_shard(ck, "optim", key, name, infos[name], mesh, shapes[name], device)
+        elif name not in shapes:
+            flat[key] = ck.read_whole("optim", key).to(device)
     return flat
-
-
-def _opt_shard(flat, infos, mesh, device) -> dict[str, Tensor]:
-    state = {k: v.to(device) for k, v in flat.items() if "/" not in k}
-    for prefix in ("exp_avg/", "exp_avg_sq/"):
-        full = {n: flat[prefix + n] for n in infos}
-        state.update(
-            {prefix + n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
-        )
-    return state
 
 
 def _initial_state(recipe: Recipe, model, tx, shapes, infos, mesh, device, resume_from: Path | None):
     """This rank's parameter shards, optimizer state and trainer counters (step, data_cursor,
     skipped_steps, nonfinite_streak): fresh from the recipe's seed, or from ``resume_from`` (its
-    shapes checked against the recipe's; the RNG restored)."""
+    shapes checked against the recipe's from the index; only this rank's ranges read; the RNG
+    restored)."""
     counters = {"step": 0, "data_cursor": 0, "skipped_steps": 0, "nonfinite_streak": 0}
     if resume_from is None:
         full = model.init(seed=recipe.train.seed, dtype=torch.float32)
         shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
         return shards, tx.init(shards), counters
     moments = {f"{kind}/{n}": s for n, s in shapes.items() for kind in ("exp_avg", "exp_avg_sq")}
-    full, opt_flat, trainer_state = checkpoint.load(
-        resume_from, expected_shapes=shapes, expected_optim_shapes=moments, check_integrity=False
-    )  # rank 0 verified the checksums in _resume_point
-    shards = {n: t.to(device) for n, t in parallel.shard_canonical(full, infos, mesh).items()}
-    if not opt_flat:  # weights only (``fmoe checkpoint import-hf``): a fresh optimizer
+    # every rank verified a share of the files' checksums in _agree_on_resume_point
+    ck = checkpoint.open_checkpoint(resume_from, check_integrity=False)
+    ck.check("model", list(shapes), shapes)
+    ck.check("optim", shapes=moments, exact=False)
+    shards = {n: _read_shard(ck, "model", n, n, infos[n], mesh, shapes[n], device) for n in infos}
+    if not ck.optim:  # weights only (``fmoe checkpoint import-hf``): a fresh optimizer
         state = tx.init(shards)
     else:
         try:
-            state = optim.state_from_flat(tx, _opt_shard(opt_flat, infos, mesh, device), shards)
+            state = optim.state_from_flat(tx, _opt_shard(ck, infos, mesh, shapes, device), shards)
         except (KeyError, ValueError) as e:
             raise ValueError(f"{resume_from}: optimizer state does not fit the model ({e})") from None
+    trainer_state = ck.trainer_state()
     counters = {k: int(trainer_state.get(k, 0)) for k in counters}
     if "rng" in trainer_state:
         checkpoint.restore_rng(trainer_state["rng"])
@@ -506,29 +569,19 @@ def _train(
 
     graphed = _graphed_step(recipe, mesh, device, train_step)
 
-    def save(at: int) -> str | None:
-        params_full = parallel.canonical(shards, infos, mesh, names)
-        opt_full = _opt_canonical(state, infos, mesh, names)
-        path, error = None, None
-        if lead:
-            trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng(),
-                             "skipped_steps": skipped_total, "nonfinite_streak": streak}  # fmt: skip
-            try:
-                path = str(
-                    checkpoint.save(
-                        ckpt_dir, at, params_full, opt_full, trainer_state, keep=recipe.checkpoint.keep
-                    )
-                )
-            except Exception as e:  # every rank stops with the writer's message
-                error = e
-        if mesh.world > 1:
-            box = [None if error is None else f"{type(error).__name__}: {error}"]
-            dist.broadcast_object_list(box, src=0)
-            if error is None and box[0] is not None:
-                raise checkpoint.CheckpointWriteError(f"rank 0 failed to write the checkpoint: {box[0]}")
-        if error is not None:
-            raise error
-        return path
+    def save(at: int) -> str:
+        """Every rank writes its own shards (``checkpoint.save_sharded``): nothing is gathered."""
+        trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng(),
+                         "skipped_steps": skipped_total, "nonfinite_streak": streak}  # fmt: skip
+        path = checkpoint.save_sharded(
+            ckpt_dir,
+            at,
+            _checkpoint_shards(shards, infos, mesh, shapes),
+            _opt_canonical(state, infos, mesh, shapes),
+            trainer_state,
+            keep=recipe.checkpoint.keep,
+        )
+        return str(path)
 
     try:
         while step < last_steps:

@@ -87,11 +87,11 @@ def test_overwrite_replaces_the_folder_only_once_the_new_export_is_complete(
     out.mkdir()
     (out / "old.txt").write_text("old export")
 
-    def failing_save_file(*args, **kwargs):
+    def failing_writer(*args, **kwargs):  # the streamed model.safetensors writer hits a full disk
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(hf, "save_file", failing_save_file)
+        m.setattr(hf, "StreamedSafetensors", failing_writer)
         code, err = export([ckpt, "--recipe", recipe_path, "--out", out, "--overwrite"], capsys)
     assert_one_line_error(code, err, "No space left on device")
     assert tree(out) == {"old.txt": b"old export"}  # the old folder survives a failed export

@@ -561,18 +561,21 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def human(n: float) -> str:
+    """Bytes as MiB below 1 GiB, else GiB."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 def rank_lines(plan: LayoutPlan) -> list[str]:
-    """One line per pipeline rank: its global ranks and every term, GiB."""
-    lines = [
-        f"{'ranks':>12}  {'params':>8} {'grads':>8} {'optim':>8} {'gathered':>8} {'activ':>8} {'peak':>8}  GiB"
-    ]
+    """One line per pipeline rank: its global ranks and every term (GiB, or MiB for a small plan)."""
+    unit, scale = ("GiB", GiB) if plan.peak >= GiB else ("MiB", 2**20)
+    header = ("params", "grads", "optim", "gathered", "activ", "peak")
+    lines = [f"{'ranks':>12}  " + " ".join(f"{h:>8}" for h in header) + f"  {unit}"]
     for r, t in enumerate(plan.stage_terms):
         ranks = plan.ranks_of(r)
         span = f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-        lines.append(
-            f"{span:>12}  {gib(t.params):>8} {gib(t.grads):>8} {gib(t.optimizer):>8} {gib(t.gathered):>8} "
-            f"{gib(t.activations):>8} {gib(t.peak):>8}"
-        )
+        cells = " ".join(f"{getattr(t, n) / scale:>8.2f}" for n in (*TERMS, "peak"))
+        lines.append(f"{span:>12}  {cells}")
     return lines
 
 
@@ -589,7 +592,52 @@ def refusal(plan: LayoutPlan, limit_bytes: float) -> str | None:
     term, size = worst.largest_term()
     pp_rank = plan.stage_terms.index(worst)
     return (
-        f"memory plan: rank {plan.ranks_of(pp_rank)[0]} (pp {pp_rank}) needs {gib(worst.peak)} GiB, "
-        f"more than the device's {gib(limit_bytes)} GiB; its largest term is {term} ({gib(size)} GiB) "
+        f"memory plan: rank {plan.ranks_of(pp_rank)[0]} (pp {pp_rank}) needs {human(worst.peak)}, "
+        f"more than the device's {human(limit_bytes)}; its largest term is {term} ({human(size)}) "
         f"on layout {layout_name(plan)}: run `fmoe plan` for layouts that fit"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# the recipe's own layout (``fmoe train``) and the command line (``fmoe plan``)
+
+
+def recipe_plan(recipe, table: Schedule | None = None, device: str = "cuda",
+                working_set: WorkingSet = WorkingSet.STEP) -> LayoutPlan:  # fmt: skip
+    """The plan of the recipe's own ``[parallel]`` layout."""
+    from fmoe.hf import family as family_module
+
+    fam = family_module(recipe.model_family)
+    p = recipe.parallel
+    return plan_layout(recipe, fam.build(recipe.model), fam.param_shapes(recipe.model), (p.pp, p.dp, p.cp, p.ep),
+                       table=table, device=device, working_set=working_set)  # fmt: skip
+
+
+def device_limit_bytes(recipe, device_type: str, cuda_total: int | None = None) -> float | None:
+    """The bytes a rank may plan for: ``train.device_memory_gib`` when set, else the CUDA device's
+    total (``cuda_total``), else no limit (a CPU run without the field)."""
+    if recipe.train.device_memory_gib > 0:
+        return recipe.train.device_memory_gib * GiB
+    return float(cuda_total) if device_type == "cuda" and cuda_total else None
+
+
+def summary(plan: LayoutPlan, limit_bytes: float | None) -> str:
+    """The compact block ``fmoe train`` prints at its start (rank 0)."""
+    limit = "no limit" if limit_bytes is None else f"{human(limit_bytes)} per device"
+    head = f"memory plan, {layout_name(plan)} ({plan.schedule}, bubble {plan.bubble:.3f}), {limit}:"
+    return "\n".join([head, *rank_lines(plan)])
+
+
+def table_lines(plans: Sequence[LayoutPlan], limit_bytes: float | None) -> list[str]:
+    """One line per layout: sizes, schedule, bubble, peak, largest term of its fullest rank, fits."""
+    unit, scale = ("GiB", GiB) if max((p.peak for p in plans), default=0) >= GiB else ("MiB", 2**20)
+    lines = [f"{'pp':>3} {'dp':>3} {'cp':>3} {'ep':>3}  {'schedule':<16} {'bubble':>6}  {'peak ' + unit:>9}  "
+             f"{f'largest term ({unit})':<24} fits"]  # fmt: skip
+    for p in plans:
+        term, size = p.worst().largest_term()
+        fits = "yes" if p.fits(limit_bytes) else "no"
+        lines.append(
+            f"{p.pp:>3} {p.dp:>3} {p.cp:>3} {p.ep:>3}  {p.schedule:<16} {p.bubble:>6.3f}  {p.peak / scale:>9.2f}  "
+            f"{f'{term} {size / scale:.2f}':<24} {fits}"
+        )
+    return lines

@@ -48,6 +48,8 @@ class TrainConfig:
     # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run
     max_nonfinite_steps: int = 10
     threads: int = 0  # torch CPU threads of this process; 0: 1 on CPU runs (see fmoe.train.cpu_threads)
+    # memory per device the run may plan for, GiB (``fmoe plan``); 0: the CUDA device's total, no limit on CPU
+    device_memory_gib: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ def validate(recipe: Recipe) -> None:
         )
     if t.threads < 0:
         raise RecipeError(f"{where}: train.threads must be >= 0 (0: automatic), got {t.threads}")
+    if not (math.isfinite(t.device_memory_gib) and t.device_memory_gib >= 0):
+        raise RecipeError(f"{where}: train.device_memory_gib must be a finite number >= 0, got {t.device_memory_gib}")
     if t.dtype not in ("float32", "bfloat16"):
         raise RecipeError(f"{where}: train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.device not in ("auto", "cpu", "cuda"):

@@ -139,3 +139,176 @@ def test_plan_within_ten_percent_of_the_measured_peak(monkeypatch):
             assert error < 0.10, (
                 f"{layout} rank {r.rank}: planned {v['planned']} bytes, measured {v['measured']} ({error:.1%})"
             )
+
+
+# ------------------------------------------------------------------------------------------------
+# activation formulas against the tensors F saves
+
+
+def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
+    """(stage name, bytes its F saved for B - autograd's saved tensors, parameters left out -, the
+    plan's formula) for every stage of a recipe's model at 2 x 64 tokens, float32 on CPU."""
+    from fmoe.stages.spec import StageContext
+
+    from fmoe import runner
+    from fmoe import stage as S
+
+    recipe = R.load(REPO / "recipes" / f"{recipe_name}.toml")
+    cfg = recipe.model
+    model = family_module(recipe.model_family).build(cfg)
+    params = model.init(seed=0, dtype=torch.float32)
+    param_storages = {t.untyped_storage().data_ptr() for t in params.values()}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    batch = runner.with_positions({"tokens": tokens, "labels": tokens})
+    mb = plan.MicroBatch(sequences=2, seq_local=64, seq_full=64, compute_bytes=4, device="cpu")
+    moe = plan._moe_stages(model)
+    carry: tuple = ()
+    out = []
+    for i, stage in enumerate(model.stages):
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in param_storages:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outputs, _ = S.forward(stage, params, runner.stage_inputs(stage, carry, batch), StageContext())
+        carry, _ = runner.split_outputs(stage, outputs)
+        planned = plan.stage_activation_bytes(recipe.model_family, cfg, stage.name, i in moe, mb)
+        if plan.stage_kind(stage.name) == "mlp" and i in moe:
+            # the routed output rows the mlp's Forwarded keeps as its outputs: not a saved tensor
+            planned -= mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * cfg.hidden_size
+        out.append((stage.name, sum(saved.values()), planned))
+    return out
+
+
+@pytest.mark.parametrize("recipe_name", ["tiny", "deepseek_v2_lite_tiny", "gpt_oss_tiny"])
+def test_activation_formulas_match_the_tensors_each_stage_saves(recipe_name):
+    """Per stage, the plan's bytes within 3% of what autograd saved (the formulas leave out a few
+    per-head and per-position vectors: rotary tables, router scalars), and exact where nothing is
+    left out (embedding, dispatch, combine, aggregate, head)."""
+    for name, measured, planned in _saved_bytes_per_stage(recipe_name):
+        kind = plan.stage_kind(name)
+        if kind in ("embed", "dispatch", "combine", "aggregate"):
+            assert planned == measured, (name, planned, measured)
+        elif kind == "head":  # the loss's scalar output is saved too
+            assert 0 <= measured - planned <= 8, (name, planned, measured)
+        else:
+            assert abs(planned - measured) <= 0.03 * measured, (name, planned, measured)
+
+
+# ------------------------------------------------------------------------------------------------
+# pieces of the plan
+
+
+def test_the_unit_working_set_is_the_largest_adjacent_pair_plus_one_units_gradient():
+    """Three units of 100, 300 and 200 elements gathered in bf16 over 2 ranks: the pair (300, 200)
+    gathered (1000 bytes... padded to the group) plus the largest unit's full gradient."""
+    units = [[plan.ParamShard("a", 100, 2)], [plan.ParamShard("b", 300, 2)], [plan.ParamShard("c", 201, 2)]]
+    # c pads to 202 elements when gathered; its gradient is its 201
+    assert plan.unit_working_set_bytes(units, 2, frozenset()) == (300 + 202) * 2 + 300 * 2
+    assert plan.unit_working_set_bytes(units, 2, frozenset({"b"})) == 300 * 4 + 202 * 2 + 300 * 4
+
+
+def test_per_unit_gathers_plan_less_than_whole_step_gathers_for_data_parallel():
+    """dp = 4 over a 4-layer model: per-layer gathers hold two layers (plus one layer's gradient)
+    where whole-step gathers hold all four, and gradient shards where the step holds full ones."""
+    recipe = R.load(REPO / "recipes" / "tiny.toml", {"parallel.dp": 4})
+    fam = family_module(recipe.model_family)
+    model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
+    step = plan.plan_layout(recipe, model, shapes, (1, 4, 1, 1), device="cpu")
+    unit = plan.plan_layout(
+        recipe, model, shapes, (1, 4, 1, 1), device="cpu", working_set=plan.WorkingSet.UNIT
+    )
+    s, u = step.stage_terms[0], unit.stage_terms[0]
+    assert (u.params, u.optimizer, u.activations) == (s.params, s.optimizer, s.activations)
+    assert u.gathered < s.gathered and u.grads < s.grads
+    assert u.grads == s.params  # fp32 gradient shards, shaped like the fp32 master shards
+
+
+def test_the_pipeline_walk_weights_the_simulators_in_flight_count():
+    """With every chunk the same size, the walk's activation peak is the simulator's
+    peak_activations times that size, rank by rank, for 1F1B, ZB-H1 and DualPipeV."""
+    from fmoe.schedules import generate, simulate
+
+    for name in ("1f1b", "zb-h1", "dualpipev"):
+        table = generate(name, 4, 8)
+        sim = simulate(table)
+        chunks = [plan.ChunkMemory(activations=1000, transient=0, grads=0)] * table.chunks
+        for r in range(4):
+            assert plan.pipeline_walk(table, r, chunks)[0] == 1000 * sim.peak_activations[r], (name, r)
+
+
+def test_the_refusal_names_the_fullest_rank_and_its_largest_term():
+    terms = (
+        plan.RankTerms(0, (0, 0, 0, 0), 10, 10, 20, 0, 30, 70),
+        plan.RankTerms(2, (1, 0, 0, 0), 10, 10, 20, 0, 90, 130),
+    )
+    layout = plan.LayoutPlan(2, 2, 1, 1, "1f1b", 0.1, terms)
+    assert plan.refusal(layout, 200) is None
+    line = plan.refusal(layout, 100)
+    assert "rank 2 (pp 1)" in line and "activations" in line and "pp=2 dp=2 cp=1 ep=1" in line
+
+
+# ------------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_fmoe_plan_ranks_layouts_by_bubble_and_says_which_fit(capsys):
+    from fmoe.cli import main
+
+    assert main(["plan", str(REPO / "recipes" / "tiny.toml"), "--nproc", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [
+        line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) >= 9
+    ]
+    layouts = [tuple(int(v) for v in row[:4]) for row in rows if len(row) >= 10]
+    bubbles = [float(row[5]) for row in rows if len(row) >= 10]
+    assert (1, 4, 1, 1) in layouts and (4, 1, 1, 1) in layouts and (2, 2, 1, 1) in layouts
+    assert bubbles == sorted(bubbles) and bubbles[-1] > 0
+    assert all(row[-1] == "yes" for row in rows if len(row) >= 10)  # no limit given
+    # a limit between the smallest and the largest peak: some fit, some do not
+    fmoe_tiny = R.load(REPO / "recipes" / "tiny.toml")
+    fam = family_module(fmoe_tiny.model_family)
+    peaks = [p.peak for p in plan.layouts(fmoe_tiny, fam.build(fmoe_tiny.model), fam.param_shapes(fmoe_tiny.model),
+                                          4, supports_cp=True, device="cpu")]  # fmt: skip
+    limit_gib = (min(peaks) + max(peaks)) / 2 / plan.GiB
+    assert (
+        main(["plan", str(REPO / "recipes" / "tiny.toml"), "--nproc", "4", "--device-memory", str(limit_gib)])
+        == 0
+    )
+    fits = [
+        line.split()[-1]
+        for line in capsys.readouterr().out.splitlines()
+        if line.split()[-1:] in (["yes"], ["no"])
+    ]
+    assert "yes" in fits and "no" in fits
+
+
+def test_a_recipe_that_cannot_fit_is_refused_before_the_first_step(tmp_path, dataset, capsys, monkeypatch):
+    """``fmoe train`` with train.device_memory_gib below the plan: exit 2, one line naming the
+    recipe, the rank and its largest term; no step runs and no checkpoint is written."""
+    from test_train import recipe_dict, toml_text
+
+    from fmoe import cli
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("a step ran")
+
+    monkeypatch.setattr("fmoe.parallel.parallel_step", no_step)
+    path = tmp_path / "big.toml"
+    path.write_text(toml_text(recipe_dict(tmp_path, dataset, train={"device_memory_gib": 0.0001})))
+    code = cli.main(["train", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("fmoe: error: "), err
+    for part in (str(path), "rank 0 (pp 0)", "largest term is activations", "train.device_memory_gib"):
+        assert part in err, (part, err)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    # the same recipe with room to spare trains, printing its plan first
+    path.write_text(toml_text(recipe_dict(tmp_path, dataset, train={"device_memory_gib": 1.0, "steps": 3})))
+    monkeypatch.undo()
+    assert cli.main(["train", str(path)]) == 0
+    assert "memory plan, pp=1 dp=1 cp=1 ep=1" in capsys.readouterr().out

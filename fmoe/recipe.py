@@ -196,7 +196,9 @@ def validate(recipe: Recipe) -> None:
     if t.threads < 0:
         raise RecipeError(f"{where}: train.threads must be >= 0 (0: automatic), got {t.threads}")
     if not (math.isfinite(t.device_memory_gib) and t.device_memory_gib >= 0):
-        raise RecipeError(f"{where}: train.device_memory_gib must be a finite number >= 0, got {t.device_memory_gib}")
+        raise RecipeError(
+            f"{where}: train.device_memory_gib must be a finite number >= 0, got {t.device_memory_gib}"
+        )
     if t.dtype not in ("float32", "bfloat16"):
         raise RecipeError(f"{where}: train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.device not in ("auto", "cpu", "cuda"):

@@ -6,7 +6,7 @@
     fmoe checkpoint import-hf HF_DIR --out CHECKPOINT_DIR
     fmoe schedule show NAME --pp P --microbatches M [--png FILE] [--csv FILE]
     fmoe schedule check FILE.csv
-    fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--set SECTION.KEY=VALUE ...]
+    fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting] [--set ...]
 
 Run on several processes with ``torchrun --nproc-per-node N -m fmoe train RECIPE``.
 Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, and exit status 2.
@@ -117,19 +117,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
             sizes = ()
         if len(sizes) != 4:
             raise ValueError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
+        if sizes not in [q.sizes for q in plans]:
+            raise ValueError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
+                             f"(see the list without --layout)")  # fmt: skip
         shown = plan.plan_layout(recipe, model, shapes, sizes, device=device, working_set=working_set)  # type: ignore[arg-type]
     else:
         p = recipe.parallel
         own = [q for q in plans if q.sizes == (p.pp, p.dp, p.cp, p.ep)]
         fitting = [q for q in plans if q.fits(limit)]
-        shown = (own or fitting or plans)[0]
+        # the recipe's layout if it fits, else the best that does, else the recipe's (to see why not)
+        shown = ([q for q in own if q.fits(limit)] or fitting or own or plans)[0]
     params = sum(math.prod(s) for s in shapes.values())
     fit = [q for q in plans if q.fits(limit)]
     limit_text = "no device limit" if limit is None else f"{plan.human(limit)} per device"
     print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
           f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, working set {working_set.value}")  # fmt: skip
-    print(f"layouts ({len(fit)} of {len(plans)} fit), fewest idle first:")
-    for line in plan.table_lines(plans, limit):
+    print(
+        f"layouts ({len(fit)} of {len(plans)} fit{'; those that fit' if args.fitting else ''}), fewest idle first:"
+    )
+    for line in plan.table_lines(fit if args.fitting else plans, limit):
         print("  " + line)
     print(f"per rank, {plan.layout_name(shown)} ({shown.schedule}, bubble {shown.bubble:.3f}):")
     for line in plan.rank_lines(shown):
@@ -155,6 +161,7 @@ def parser() -> argparse.ArgumentParser:
                     help="print this layout's ranks (default: the recipe's, else the best that fits)")  # fmt: skip
     pl.add_argument("--working-set", choices=["step", "unit"], default="step",
                     help="gathers per step (today's parallel_step) or per pipeline chunk / layer")  # fmt: skip
+    pl.add_argument("--fitting", action="store_true", help="list only the layouts that fit")
     pl.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field"
     )

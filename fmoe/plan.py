@@ -630,7 +630,7 @@ def summary(plan: LayoutPlan, limit_bytes: float | None) -> str:
 
 def table_lines(plans: Sequence[LayoutPlan], limit_bytes: float | None) -> list[str]:
     """One line per layout: sizes, schedule, bubble, peak, largest term of its fullest rank, fits."""
-    unit, scale = ("GiB", GiB) if max((p.peak for p in plans), default=0) >= GiB else ("MiB", 2**20)
+    unit, scale = ("GiB", GiB) if max((p.peak for p in plans), default=GiB) >= GiB else ("MiB", 2**20)
     lines = [f"{'pp':>3} {'dp':>3} {'cp':>3} {'ep':>3}  {'schedule':<16} {'bubble':>6}  {'peak ' + unit:>9}  "
              f"{f'largest term ({unit})':<24} fits"]  # fmt: skip
     for p in plans:

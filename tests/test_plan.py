@@ -312,3 +312,19 @@ def test_a_recipe_that_cannot_fit_is_refused_before_the_first_step(tmp_path, dat
     monkeypatch.undo()
     assert cli.main(["train", str(path)]) == 0
     assert "memory plan, pp=1 dp=1 cp=1 ep=1" in capsys.readouterr().out
+
+
+def test_the_qwen3_30b_a3b_recipe_has_the_benchmarks_shapes_and_30b_parameters():
+    """recipes/qwen3_30b_a3b.toml: the layer shapes benchmarks/train_throughput.py measures, 48
+    layers, 30.5B parameters (the hub's Qwen3-30B-A3B)."""
+    import math
+
+    from benchmarks.bench_stages import QWEN3_30B_A3B_LAYER
+
+    recipe = R.load(REPO / "recipes" / "qwen3_30b_a3b.toml")
+    for name, value in QWEN3_30B_A3B_LAYER.items():
+        if name != "num_hidden_layers":
+            assert getattr(recipe.model, name) == value, name
+    assert recipe.model.num_hidden_layers == 48
+    shapes = family_module(recipe.model_family).param_shapes(recipe.model)
+    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 1) == 30.5

@@ -15,7 +15,7 @@ bytes; nothing here touches a process group or allocates a tensor. For every ran
                each F adding its (micro-batch, chunk)'s bytes and each W / BW / FB's backward half
                freeing them (the simulator's ``peak_activations`` count, weighted by chunk)
 
-and the peak those make together (:func:`rank_terms`). :func:`layouts` lists the layouts of N
+and the peak those make together (:func:`plan_layout`). :func:`layouts` lists the layouts of N
 processes the recipe can run on, ranked by the simulator's bubble; ``fmoe plan`` prints them, and
 ``fmoe train`` logs its own layout's plan and refuses one that does not fit before the first step.
 
@@ -600,17 +600,6 @@ def refusal(plan: LayoutPlan, limit_bytes: float) -> str | None:
 
 # ------------------------------------------------------------------------------------------------
 # the recipe's own layout (``fmoe train``) and the command line (``fmoe plan``)
-
-
-def recipe_plan(recipe, table: Schedule | None = None, device: str = "cuda",
-                working_set: WorkingSet = WorkingSet.STEP) -> LayoutPlan:  # fmt: skip
-    """The plan of the recipe's own ``[parallel]`` layout."""
-    from fmoe.hf import family as family_module
-
-    fam = family_module(recipe.model_family)
-    p = recipe.parallel
-    return plan_layout(recipe, fam.build(recipe.model), fam.param_shapes(recipe.model), (p.pp, p.dp, p.cp, p.ep),
-                       table=table, device=device, working_set=working_set)  # fmt: skip
 
 
 def device_limit_bytes(recipe, device_type: str, cuda_total: int | None = None) -> float | None:

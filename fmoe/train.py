@@ -367,7 +367,8 @@ def _initial_state(recipe: Recipe, model, tx, shapes, infos, mesh, device, resum
 def _check_memory_plan(recipe: Recipe, model, shapes, table, mesh, device: torch.device) -> None:
     """The memory plan of this layout (``fmoe.plan``), before any parameter exists: RecipeError
     naming the rank and its largest term when a rank's planned peak exceeds the device's memory
-    (``train.device_memory_gib``, else the CUDA device's total); else rank 0 prints it."""
+    (``train.device_memory_gib``, else the CUDA device's total); else rank 0 writes it to
+    ``<log.dir>/memory_plan.txt`` and, with ``log.progress``, prints it."""
     cuda_total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     limit = memory_plan.device_limit_bytes(recipe, device.type, cuda_total)
     sizes = (mesh.pp, mesh.dp, mesh.cp, mesh.ep)
@@ -375,8 +376,11 @@ def _check_memory_plan(recipe: Recipe, model, shapes, table, mesh, device: torch
     refused = None if limit is None else memory_plan.refusal(the_plan, limit)
     if refused is not None:
         raise RecipeError(f"{recipe.path}: {refused} (train.device_memory_gib sets the limit)")
-    if mesh.rank == 0:
-        print(memory_plan.summary(the_plan, limit), flush=True)
+    if mesh.rank == 0:  # the log folder keeps it; the console shows it beside the progress bar
+        text = memory_plan.summary(the_plan, limit)
+        (Path(recipe.log.dir) / "memory_plan.txt").write_text(text + "\n")
+        if recipe.log.progress:
+            print(text, flush=True)
 
 
 def _update(tx, model, loss: Tensor, grads, statistics, state, shards, infos, mesh):

@@ -6,6 +6,7 @@
     fmoe checkpoint import-hf HF_DIR --out CHECKPOINT_DIR
     fmoe schedule show NAME --pp P --microbatches M [--png FILE] [--csv FILE]
     fmoe schedule check FILE.csv
+    fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting] [--set ...]
 
 Run on several processes with ``torchrun --nproc-per-node N -m fmoe train RECIPE``.
 Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, and exit status 2.
@@ -14,6 +15,7 @@ Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, an
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from importlib import resources
 from pathlib import Path
@@ -88,6 +90,60 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fmoe import plan
+    from fmoe import recipe as R
+    from fmoe.hf import family as family_module
+
+    recipe = R.load(args.recipe, dict(R.parse_override(s) for s in args.set))
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise ValueError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
+    gib = args.device_memory if args.device_memory is not None else recipe.train.device_memory_gib
+    limit = gib * plan.GiB if gib else None
+    device = "cpu" if recipe.train.device == "cpu" else "cuda"
+    fam = family_module(recipe.model_family)
+    model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
+    working_set = plan.WorkingSet(args.working_set)
+    plans = plan.layouts(recipe, model, shapes, args.nproc, device=device, working_set=working_set,
+                         supports_cp=getattr(fam, "SUPPORTS_CONTEXT_PARALLEL", False))  # fmt: skip
+    if not plans:
+        raise ValueError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
+                         f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
+    if args.layout:
+        try:
+            sizes = tuple(int(v) for v in args.layout.split(","))
+        except ValueError:
+            sizes = ()
+        if len(sizes) != 4:
+            raise ValueError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
+        if sizes not in [q.sizes for q in plans]:
+            raise ValueError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
+                             f"(see the list without --layout)")  # fmt: skip
+        shown = plan.plan_layout(recipe, model, shapes, sizes, device=device, working_set=working_set)  # type: ignore[arg-type]
+    else:
+        p = recipe.parallel
+        own = [q for q in plans if q.sizes == (p.pp, p.dp, p.cp, p.ep)]
+        fitting = [q for q in plans if q.fits(limit)]
+        # the recipe's layout if it fits, else the best that does, else the recipe's (to see why not)
+        shown = ([q for q in own if q.fits(limit)] or fitting or own or plans)[0]
+    params = sum(math.prod(s) for s in shapes.values())
+    fit = [q for q in plans if q.fits(limit)]
+    limit_text = "no device limit" if limit is None else f"{plan.human(limit)} per device"
+    print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
+          f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, working set {working_set.value}")  # fmt: skip
+    print(
+        f"layouts ({len(fit)} of {len(plans)} fit{'; those that fit' if args.fitting else ''}), fewest idle first:"
+    )
+    for line in plan.table_lines(fit if args.fitting else plans, limit):
+        print("  " + line)
+    print(f"per rank, {plan.layout_name(shown)} ({shown.schedule}, bubble {shown.bubble:.3f}):")
+    for line in plan.rank_lines(shown):
+        print("  " + line)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="fmoe", description="Functional MoE trainer.")
     sub = top.add_subparsers(dest="command", required=True)
@@ -96,6 +152,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", nargs="?", help="recipe TOML (default: the embedded recipes/tiny.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field")
     p.set_defaults(fn=cmd_train)
+
+    pl = sub.add_parser("plan", help="memory per rank of each layout of N processes, and which fit")
+    pl.add_argument("recipe", help="recipe TOML")
+    pl.add_argument("--nproc", type=int, required=True, help="processes (GPUs) of the job")
+    pl.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="memory per device, GiB (default: train.device_memory_gib; 0 or unset: no limit)")  # fmt: skip
+    pl.add_argument("--layout", default=None, metavar="PP,DP,CP,EP",
+                    help="print this layout's ranks (default: the recipe's, else the best that fits)")  # fmt: skip
+    pl.add_argument("--working-set", choices=["step", "unit"], default="step",
+                    help="gathers per step (today's parallel_step) or per pipeline chunk / layer")  # fmt: skip
+    pl.add_argument("--fitting", action="store_true", help="list only the layouts that fit")
+    pl.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field"
+    )
+    pl.set_defaults(fn=cmd_plan)
 
     sub.add_parser("data", help="build packed token datasets", add_help=False)
     sub.add_parser("schedule", help="show or check pipeline schedule tables", add_help=False)

@@ -51,6 +51,8 @@ class TrainConfig:
     # capture each step (stages' F/B/W, optimizer) once as a CUDA graph and replay it (fmoe.cuda_graphs);
     # CUDA only; runs with collectives in the step (more than one process) stay eager, saying why
     cuda_graphs: bool = False
+    # memory per device the run may plan for, GiB (``fmoe plan``); 0: the CUDA device's total, no limit on CPU
+    device_memory_gib: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,10 @@ def validate(recipe: Recipe) -> None:
         )
     if t.threads < 0:
         raise RecipeError(f"{where}: train.threads must be >= 0 (0: automatic), got {t.threads}")
+    if not (math.isfinite(t.device_memory_gib) and t.device_memory_gib >= 0):
+        raise RecipeError(
+            f"{where}: train.device_memory_gib must be a finite number >= 0, got {t.device_memory_gib}"
+        )
     if t.dtype not in ("float32", "bfloat16"):
         raise RecipeError(f"{where}: train.dtype must be 'float32' or 'bfloat16', got {t.dtype!r}")
     if t.device not in ("auto", "cpu", "cuda"):

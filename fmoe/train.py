@@ -38,6 +38,7 @@ from torch import Tensor
 from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline, schedules
 from fmoe import dist as D
 from fmoe.expert_parallel import expert_range, is_expert_param
+from fmoe import plan as memory_plan
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.recipe import Recipe, RecipeError
@@ -426,6 +427,25 @@ def _initial_state(recipe: Recipe, model, tx, shapes, infos, mesh, device, resum
     return shards, state, counters
 
 
+def _check_memory_plan(recipe: Recipe, model, shapes, table, mesh, device: torch.device) -> None:
+    """The memory plan of this layout (``fmoe.plan``), before any parameter exists: RecipeError
+    naming the rank and its largest term when a rank's planned peak exceeds the device's memory
+    (``train.device_memory_gib``, else the CUDA device's total); else rank 0 writes it to
+    ``<log.dir>/memory_plan.txt`` and, with ``log.progress``, prints it."""
+    cuda_total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    limit = memory_plan.device_limit_bytes(recipe, device.type, cuda_total)
+    sizes = (mesh.pp, mesh.dp, mesh.cp, mesh.ep)
+    the_plan = memory_plan.plan_layout(recipe, model, shapes, sizes, table=table, device=device.type)
+    refused = None if limit is None else memory_plan.refusal(the_plan, limit)
+    if refused is not None:
+        raise RecipeError(f"{recipe.path}: {refused} (train.device_memory_gib sets the limit)")
+    if mesh.rank == 0:  # the log folder keeps it; the console shows it beside the progress bar
+        text = memory_plan.summary(the_plan, limit)
+        (Path(recipe.log.dir) / "memory_plan.txt").write_text(text + "\n")
+        if recipe.log.progress:
+            print(text, flush=True)
+
+
 def _update(tx, model, loss: Tensor, grads, statistics, state, shards, infos, mesh):
     """The optimizer step and the model's buffer updates -> (shards, state, skipped: bool tensor).
 
@@ -521,6 +541,7 @@ def _train(
     names = list(shapes)
     local = pipeline.local_param_names(model, table, rank=mesh.coords["pp"]) if table is not None else names
     infos = parallel.layout(model, mesh, shapes, local)
+    _check_memory_plan(recipe, model, shapes, table, mesh, device)
     tx, lr_schedule = make_optimizer(recipe, shapes)
     ckpt_dir = Path(recipe.checkpoint.dir)
     shards, state, counters = _initial_state(recipe, model, tx, shapes, infos, mesh, device, resume_from)

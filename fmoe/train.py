@@ -37,8 +37,8 @@ from torch import Tensor
 
 from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline, schedules
 from fmoe import dist as D
-from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe import plan as memory_plan
+from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.recipe import Recipe, RecipeError

@@ -24,6 +24,7 @@ from fmoe import recipe as R
 USER_FAMILY = """
 from dataclasses import dataclass
 
+import torch
 from fmoe.stages import decoder, layers
 from fmoe.stages.primitives import linear
 
@@ -71,12 +72,29 @@ def expert_shapes(cfg):
     return decoder.swiglu_expert_shapes(cfg.experts, cfg.width, cfg.ffn)
 
 
+def layer_norm(x, p, name, eps):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], p[f"{name}.weight"], p[f"{name}.bias"], eps)
+
+
+def layer_norm_shapes(name, hidden):
+    return {f"{name}.weight": (hidden,), f"{name}.bias": (hidden,)}
+
+
+def embed(cfg, p, tokens, positions):  # learned positions
+    return p["model.embed_tokens.weight"][tokens] + p["model.embed_positions.weight"][positions]
+
+
+def embed_shapes(cfg):
+    return {"model.embed_tokens.weight": (cfg.vocab, cfg.width), "model.embed_positions.weight": (cfg.longest, cfg.width)}
+
+
 def flops(cfg, seq):
     return 6.0 * cfg.depth * cfg.width * cfg.width
 
 
 DECODER = decoder.MoEDecoder(dims, attention, attention_shapes, router, router_shapes,
-                             decoder.swiglu_experts, expert_shapes)
+                             decoder.swiglu_experts, expert_shapes, norm=layer_norm, norm_shapes=layer_norm_shapes,
+                             embed=embed, embed_shapes=embed_shapes, embed_inputs=("tokens", "positions"))
 FAMILY = DECODER.family("tiny_user_family", TinyConfig, flops)
 """
 
@@ -102,10 +120,19 @@ def test_a_recipe_trains_a_family_named_by_its_import_path(tmp_path, dataset, ca
     assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").iterdir()), "no checkpoint written"
     recipe = R.load(path)
     assert type(recipe.model).__name__ == "TinyConfig" and recipe.model_family == user_family
+    family = lookup(user_family)
+    shapes = family.param_shapes(recipe.model)
+    assert shapes["model.embed_positions.weight"] == (64, 32) and shapes[
+        "model.layers.1.input_layernorm.bias"
+    ] == (32,)
+    assert family.build(recipe.model).stages[0].batch_inputs == ("tokens", "positions")
+    init = family.init_params(recipe.model, seed=3)
+    assert torch.equal(init["model.norm.bias"], torch.zeros(32)) and torch.equal(
+        init["model.norm.weight"], torch.ones(32)
+    )
     # a family without a Hugging Face mapping trains, and refuses export naming itself
-    params = lookup(user_family).init_params(recipe.model)
     with pytest.raises(ValueError, match=r"model family 'tiny_user_family' has no Hugging Face mapping"):
-        hf.export_hf(user_family, recipe.model, params, tmp_path / "hf")
+        hf.export_hf(user_family, recipe.model, init, tmp_path / "hf")
 
 
 def test_the_runtime_reads_the_user_familys_sizes_not_its_field_names(

@@ -174,7 +174,8 @@ def export_hf(
         k: (v.to(dtype) if dtype else v).detach().cpu().contiguous()
         for k, v in fam.to_hf(cfg, params).items()
     }
-    files = {} if tokenizer is None else _tokenizer_files(tokenizer, cfg.max_position_embeddings)
+    longest = fam.sizes(cfg).max_positions or 10**30  # transformers' "no limit" is as large
+    files = {} if tokenizer is None else _tokenizer_files(tokenizer, longest)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")

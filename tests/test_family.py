@@ -4,6 +4,7 @@ the runtime reads stage roles and the contract's fields, never stage names or co
 from __future__ import annotations
 
 import dataclasses
+import json
 import textwrap
 
 import pytest
@@ -201,3 +202,13 @@ def test_expert_parallel_finds_the_routing_by_role():
 def test_a_stage_role_outside_the_roles_is_refused_naming_the_stage():
     with pytest.raises(ValueError, match=r"Stage 'layers.0.x': role must be one of .* got 'dispatcher'"):
         Stage("layers.0.x", lambda p, inputs, ctx: inputs, role="dispatcher")
+
+
+def test_the_exported_tokenizers_length_limit_is_the_familys_longest_sequence(tmp_path, monkeypatch):
+    cfg = tiny_config()
+    sizes = qwen3_moe.FAMILY.sizes(cfg)
+    assert sizes.max_positions == cfg.max_position_embeddings
+    shorter = dataclasses.replace(sizes, max_positions=77)
+    monkeypatch.setattr(qwen3_moe, "FAMILY", dataclasses.replace(qwen3_moe.FAMILY, sizes=lambda c: shorter))
+    out = hf.export_hf("qwen3_moe", cfg, qwen3_moe.init_params(cfg), tmp_path / "hf", tokenizer="bytes")
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 77

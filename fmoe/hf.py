@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: export fmoe params to a folder transformers loads, and import back.
 
-A family module in ``fmoe.stages`` supplies the pure conversions (``to_hf``, ``from_hf``,
-``hf_config``, ``config_from_hf``); this module does the files: ``config.json`` and
+A family's contract (``fmoe.stages.family.Family``, its ``hf`` mapping) supplies the pure
+conversions (``to_hf``, ``from_hf``, ``hf_config``, ``config_from_hf``); this module does the files: ``config.json`` and
 ``model.safetensors``, written atomically.
 """
 
@@ -13,7 +13,6 @@ import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors import SafetensorError
@@ -21,15 +20,20 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from fmoe.checkpoint import LazyTensors, StreamedSafetensors
-from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
+from fmoe.stages.family import BUILTIN_FAMILIES, Family
+from fmoe.stages.family import lookup as family
 
-FAMILIES: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "deepseek_v2": deepseek_v2, "gpt_oss": gpt_oss}
+__all__ = ["ExportError", "WeightsMismatch", "export_hf", "family", "import_hf"]
 
 
-def family(name: str) -> ModuleType:
-    if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[name]
+def family_of_model_type(model_type: str) -> str:
+    """The builtin family whose Hugging Face ``model_type`` is ``model_type``; ValueError otherwise."""
+    for name in BUILTIN_FAMILIES:
+        fam = family(name)
+        if fam.hf is not None and fam.hf.model_type == model_type:
+            return name
+    known = sorted(f.hf.model_type for f in map(family, BUILTIN_FAMILIES) if f.hf is not None)
+    raise ValueError(f"unknown model_type {model_type!r} (known: {known}; name another family to import it)")
 
 
 class ExportError(ValueError):
@@ -118,7 +122,7 @@ class WeightsMismatch(ValueError):
     """Weights that do not fit the config they are exported with; the message names the tensor."""
 
 
-def _check_params_fit(fam: ModuleType, cfg, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+def _check_params_fit(fam: Family, cfg, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
     """WeightsMismatch naming the first parameter that the config's model lacks, or has another
     shape. meta: {name: (shape, dtype)} of the weights (nothing is read)."""
     shapes = fam.param_shapes(cfg)
@@ -137,7 +141,7 @@ def _check_params_fit(fam: ModuleType, cfg, meta: Mapping[str, tuple[tuple[int, 
 
 
 def _hf_tensors_of(
-    fam: ModuleType, cfg, name: str, t: Tensor, dtype: torch.dtype | None
+    fam: Family, cfg, name: str, t: Tensor, dtype: torch.dtype | None
 ) -> dict[str, Tensor]:
     """The Hugging Face tensors one canonical tensor becomes: the family's ``to_hf`` maps every
     parameter on its own (experts unstacked, transposed, a buffer dropped), so it is called on a
@@ -145,7 +149,7 @@ def _hf_tensors_of(
     return {k: v.to(dtype) if dtype else v for k, v in fam.to_hf(cfg, {name: t}).items()}
 
 
-def _write_converted(writer, fam: ModuleType, cfg, name: str, t: Tensor, dtype: torch.dtype | None) -> None:
+def _write_converted(writer, fam: Family, cfg, name: str, t: Tensor, dtype: torch.dtype | None) -> None:
     """Convert one canonical tensor and write its Hugging Face tensors (all freed on return)."""
     for key, v in _hf_tensors_of(fam, cfg, name, t.detach(), dtype).items():
         writer.write(key, v)
@@ -203,7 +207,8 @@ def export_hf(
                 raise ValueError(f"{family_name}.to_hf gives {key!r} for both {source[key]!r} and {name!r}")
             source[key] = name
             specs.append((key, v.dtype, tuple(v.shape)))
-    files = {} if tokenizer is None else _tokenizer_files(tokenizer, cfg.max_position_embeddings)
+    longest = fam.sizes(cfg).max_positions or 10**30  # transformers' "no limit" is as large
+    files = {} if tokenizer is None else _tokenizer_files(tokenizer, longest)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")
@@ -235,8 +240,8 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     """Read a Hugging Face folder (config.json + one or more *.safetensors) -> (family, config, params).
 
     Nothing is guessed or dropped: every config.json key must be one the family honours or knows to
-    be harmless (``HF_HONOURED_FIELDS`` / ``HF_PINNED_FIELDS`` / ``HF_METADATA_FIELDS`` of its
-    module), and every tensor must be one the config implies, at the shape it implies. Any other
+    be harmless (the ``honoured_fields`` / ``pinned_fields`` / ``metadata_fields`` of its ``hf``
+    mapping), and every tensor must be one the config implies, at the shape it implies. Any other
     case raises a one-line ValueError naming the file and the key or tensor.
     """
     folder = Path(folder)
@@ -250,14 +255,19 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     if not isinstance(hf, dict):
         raise ValueError(f"{config_path}: not a JSON object")
     model_type = hf.get("model_type")
-    if family_name is not None and model_type is not None and model_type != family_name:
+    if family_name is None:
+        if model_type is None:
+            raise ValueError(f"{config_path}: no model_type (known families: {sorted(BUILTIN_FAMILIES)})")
+        try:
+            family_name = family_of_model_type(model_type)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
+    name = family_name
+    fam = family(name)
+    if model_type is not None and model_type != fam.hf_mapping().model_type:
         raise ValueError(
             f"{config_path}: model_type {model_type!r} is not the family asked for, {family_name!r}"
         )
-    name = family_name or model_type
-    if name is None:
-        raise ValueError(f"{config_path}: no model_type (known: {sorted(FAMILIES)})")
-    fam = family(name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")

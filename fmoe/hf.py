@@ -140,9 +140,7 @@ def _check_params_fit(fam: Family, cfg, meta: Mapping[str, tuple[tuple[int, ...]
             )
 
 
-def _hf_tensors_of(
-    fam: Family, cfg, name: str, t: Tensor, dtype: torch.dtype | None
-) -> dict[str, Tensor]:
+def _hf_tensors_of(fam: Family, cfg, name: str, t: Tensor, dtype: torch.dtype | None) -> dict[str, Tensor]:
     """The Hugging Face tensors one canonical tensor becomes: the family's ``to_hf`` maps every
     parameter on its own (experts unstacked, transposed, a buffer dropped), so it is called on a
     one-entry dict. With meta tensors this gives names, shapes and dtypes without data."""

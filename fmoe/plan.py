@@ -36,7 +36,7 @@ from fmoe import pipeline
 from fmoe.expert_parallel import is_expert_param
 from fmoe.mesh import DIMS, MeshError, check_sizes
 from fmoe.schedules import Schedule, ScheduleError, generate, simulate, validate
-from fmoe.stages.spec import Model
+from fmoe.stages.spec import Model, Stage
 
 GiB = 1 << 30
 FP32 = 4
@@ -202,10 +202,14 @@ class MicroBatch:
         return self.sequences * self.seq_local
 
 
-def stage_kind(stage_name: str) -> str:
-    """embed, attn, dispatch, mlp, combine, aggregate or head: the last part of a stage's name (the
-    five-stage layer protocol, as ``fmoe.interpreter.role`` reads it)."""
-    return stage_name.rsplit(".", 1)[-1]
+# the families whose per-stage activation formulas (below) this module has, and the formulas each
+# uses (DeepSeek-V3's attention and experts are DeepSeek-V2's); other families plan no activations
+ACTIVATION_FORMULAS = {
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v2",
+    "gpt_oss": "gpt_oss",
+}
 
 
 def _attention_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
@@ -253,12 +257,12 @@ def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
     return t * (routed + shared + k * e * h)
 
 
-def stage_activation_bytes(family: str, cfg, stage_name: str, moe: bool, mb: MicroBatch) -> float:
+def stage_activation_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch) -> float:
     """Bytes one stage's F keeps alive for its B, for one micro-batch on one rank.
 
     family: the recipe's model family; cfg: its config; moe: whether the stage's layer has routed
     experts; mb: the micro-batch's shape on this rank."""
-    kind = stage_kind(stage_name)
+    kind = stage.role
     e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
     k = getattr(cfg, "num_experts_per_tok", 1)
     if kind == "embed":
@@ -276,7 +280,7 @@ def stage_activation_bytes(family: str, cfg, stage_name: str, moe: bool, mb: Mic
         # kernel reads the compute-dtype logits), the labels
         logits = FP32 if mb.device == "cpu" else e
         return t * (e * (3 * h + 1) + logits * cfg.vocab_size + INT64)
-    raise ValueError(f"the memory plan has no activation formula for stage {stage_name!r} (kind {kind!r})")
+    raise ValueError(f"the memory plan has no activation formula for stage {stage.name!r} (role {kind!r})")
 
 
 def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch) -> float:
@@ -302,9 +306,7 @@ def chunk_activation_bytes(
 ) -> int:
     """Saved activation bytes of one micro-batch through the given model stages."""
     moe = _moe_stages(model)
-    return int(
-        sum(stage_activation_bytes(family, cfg, model.stages[i].name, i in moe, mb) for i in stage_indices)
-    )
+    return int(sum(stage_activation_bytes(family, cfg, model.stages[i], i in moe, mb) for i in stage_indices))
 
 
 def backward_transient_bytes(
@@ -313,7 +315,7 @@ def backward_transient_bytes(
     """The largest temporary a chunk's B makes beyond what its F saved: the loss's logits gradient
     (CPU: ``F.cross_entropy``'s fp32 log-softmax gradient and the logits' gradient; CUDA: the fused
     kernel's logits gradient in the compute dtype). 0 for a chunk without the head."""
-    if not any(stage_kind(model.stages[i].name) == "head" for i in stage_indices):
+    if not any(model.stages[i].role == "head" for i in stage_indices):
         return 0
     per_logit = 2 * FP32 if mb.device == "cpu" else mb.compute_bytes
     return mb.tokens * cfg.vocab_size * per_logit
@@ -406,6 +408,7 @@ class LayoutPlan:
     schedule: str
     bubble: float
     stage_terms: tuple[RankTerms, ...]  # index: pipeline rank
+    activations_planned: bool = True  # False: a family the activation formulas do not know (0 counted)
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -474,13 +477,15 @@ def plan_layout(
     terms = []
     for r in range(pp):
         names = pipeline.local_param_names(model, table, rank=r) if table is not None else list(shapes)
-        shards = shard_layout(shapes, names, cfg.num_experts, dp, cp, ep)
+        shards = shard_layout(shapes, names, model.num_experts, dp, cp, ep)
         params, opt = master_bytes(shards), optimizer_bytes(shards)
         fam, w_bytes = (
-            recipe.model_family,
+            ACTIVATION_FORMULAS.get(recipe.model_family),
             {s.name: s.full_numel * (FP32 if s.name in buffers else e) for s in shards},
         )
-        if table is not None:
+        if fam is None:
+            acts = acts_and_grads = 0
+        elif table is not None:
             smap = pipeline.schedule_stage_map(model, table)
             chunks = []
             for c in range(table.chunks):
@@ -514,10 +519,13 @@ def plan_layout(
         rank0 = r * dp * cp * ep
         terms.append(RankTerms(rank0, (r, 0, 0, 0), params, grads, opt, gathered, acts, peak))
     name = "-" if table is None else (recipe.parallel.schedule if pp > 1 else "-")
-    return LayoutPlan(pp, dp, cp, ep, name, bubble, tuple(terms))
+    planned = recipe.model_family in ACTIVATION_FORMULAS
+    return LayoutPlan(pp, dp, cp, ep, name, bubble, tuple(terms), activations_planned=planned)
 
 
-def candidate_sizes(recipe, nproc: int, supports_cp: bool) -> list[tuple[int, int, int, int]]:
+def candidate_sizes(
+    recipe, nproc: int, supports_cp: bool, num_experts: int
+) -> list[tuple[int, int, int, int]]:
     """Every (pp, dp, cp, ep) of ``nproc`` processes the recipe's sizes allow (``check_sizes``)."""
     out = []
     divisors = [d for d in range(1, nproc + 1) if nproc % d == 0]
@@ -530,7 +538,7 @@ def candidate_sizes(recipe, nproc: int, supports_cp: bool) -> list[tuple[int, in
                 ep = nproc // (pp * dp * cp)
                 try:
                     check_sizes(pp, dp, cp, ep, nproc, microbatches=t.microbatches, schedule=recipe.parallel.schedule,
-                                num_experts=recipe.model.num_experts, seq_len=recipe.data.seq_len,
+                                num_experts=num_experts, seq_len=recipe.data.seq_len,
                                 global_batch=t.global_batch)  # fmt: skip
                 except MeshError:
                     continue
@@ -545,7 +553,7 @@ def layouts(
     """The plans of every layout of ``nproc`` processes the recipe can run, fewest idle first
     (bubble, then peak bytes). A pp whose schedule cannot be made (too few micro-batches) is left out."""
     plans = []
-    for sizes in candidate_sizes(recipe, nproc, supports_cp):
+    for sizes in candidate_sizes(recipe, nproc, supports_cp, model.num_experts):
         try:
             plans.append(plan_layout(recipe, model, shapes, sizes, device=device, working_set=working_set))
         except (ScheduleError, ValueError):
@@ -614,6 +622,8 @@ def summary(plan: LayoutPlan, limit_bytes: float | None) -> str:
     """The compact block ``fmoe train`` prints at its start (rank 0)."""
     limit = "no limit" if limit_bytes is None else f"{human(limit_bytes)} per device"
     head = f"memory plan, {layout_name(plan)} ({plan.schedule}, bubble {plan.bubble:.3f}), {limit}:"
+    if not plan.activations_planned:
+        head += " (activations not planned: fmoe.plan has no formulas for this family)"
     return "\n".join([head, *rank_lines(plan)])
 
 

@@ -176,11 +176,11 @@ def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outputs, _ = S.forward(stage, params, runner.stage_inputs(stage, carry, batch), StageContext())
         carry, _ = runner.split_outputs(stage, outputs)
-        planned = plan.stage_activation_bytes(recipe.model_family, cfg, stage.name, i in moe, mb)
-        if plan.stage_kind(stage.name) == "mlp" and i in moe:
+        planned = plan.stage_activation_bytes(recipe.model_family, cfg, stage, i in moe, mb)
+        if stage.role == "mlp" and i in moe:
             # the routed output rows the mlp's Forwarded keeps as its outputs: not a saved tensor
             planned -= mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * cfg.hidden_size
-        out.append((stage.name, sum(saved.values()), planned))
+        out.append((stage.name, stage.role, sum(saved.values()), planned))
     return out
 
 
@@ -189,8 +189,7 @@ def test_activation_formulas_match_the_tensors_each_stage_saves(recipe_name):
     """Per stage, the plan's bytes within 3% of what autograd saved (the formulas leave out a few
     per-head and per-position vectors: rotary tables, router scalars), and exact where nothing is
     left out (embedding, dispatch, combine, aggregate, head)."""
-    for name, measured, planned in _saved_bytes_per_stage(recipe_name):
-        kind = plan.stage_kind(name)
+    for name, kind, measured, planned in _saved_bytes_per_stage(recipe_name):
         if kind in ("embed", "dispatch", "combine", "aggregate"):
             assert planned == measured, (name, planned, measured)
         elif kind == "head":  # the loss's scalar output is saved too

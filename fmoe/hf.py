@@ -19,9 +19,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
+from fmoe.stages import deepseek_v2, deepseek_v3, gpt_oss, qwen3_moe
 
 FAMILIES: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "deepseek_v2": deepseek_v2, "gpt_oss": gpt_oss}
+FAMILIES["deepseek_v3"] = deepseek_v3
 
 
 def family(name: str) -> ModuleType:

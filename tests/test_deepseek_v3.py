@@ -174,6 +174,18 @@ def test_multi_token_prediction_is_refused_naming_the_field(tmp_path):
         hf.import_hf(tmp_path / "mtp")
 
 
+def test_the_hubs_config_format_imports():
+    """DeepSeek-V3's own config.json keys (remote-code era: rope_theta + rope_scaling, topk_method,
+    scoring_func, ...) read into the same config as transformers 5's."""
+    cfg = tiny(aux_loss_alpha=0.001)
+    hub = {k: v for k, v in D.hf_config(cfg).items() if k not in ("rope_parameters", "rope_interleave")}
+    hub.update(rope_theta=cfg.rope_theta, rope_scaling=YARN, moe_layer_freq=1, seq_aux=True, ep_size=1)
+    assert D.config_from_hf(hub) == cfg
+    for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("rope_interleave", False)):
+        with pytest.raises(ValueError, match=f"'{key}' = "):
+            D.config_from_hf({**hub, key: value})
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [(dict(n_group=3), "n_group"), (dict(n_group=8), "n_group"), (dict(topk_group=5), "topk_group"),

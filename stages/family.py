@@ -193,6 +193,39 @@ def lookup(name: str) -> Family:
 
 
 # ----------------------------------------------------------------------------------------------
+# checks a family's config makes on construction (errors name ``Class.field``)
+
+
+def check_fields(
+    cfg: Any,
+    positive: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+    positive_or_none: tuple[str, ...] = (),
+) -> None:
+    """ValueError naming the first of ``cfg``'s fields outside its range (non-negative ones first)."""
+    name = type(cfg).__name__
+    for field_name in non_negative:
+        if not getattr(cfg, field_name) >= 0:
+            raise ValueError(f"{name}.{field_name} must be >= 0, got {getattr(cfg, field_name)}")
+    for field_name in positive:
+        if not getattr(cfg, field_name) > 0:
+            raise ValueError(f"{name}.{field_name} must be > 0, got {getattr(cfg, field_name)}")
+    for field_name in positive_or_none:
+        value = getattr(cfg, field_name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name}.{field_name} must be > 0 or None, got {value}")
+
+
+def check_top_k(cfg: Any, top_k_field: str, experts_field: str) -> None:
+    """ValueError unless 1 <= top-k <= experts (each field named as ``cfg`` names it)."""
+    top_k, experts = getattr(cfg, top_k_field), getattr(cfg, experts_field)
+    if not 1 <= top_k <= experts:
+        raise ValueError(
+            f"{type(cfg).__name__}.{top_k_field} ({top_k}) must be between 1 and {experts_field} ({experts})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # reading a Hugging Face config.json: every key honoured, pinned or metadata; nothing guessed
 
 # metadata every family's config.json may carry: names, versions, storage dtype, special-token ids

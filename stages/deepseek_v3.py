@@ -2,7 +2,7 @@
 DeepSeek-V2's model with V3's router.
 
 What V3 shares with V2 runs V2's functions (``fmoe.stages.deepseek_v2``) on an equivalent
-``DeepseekV2Config`` (``DeepseekV3Config.v2``): multi-head latent attention with interleaved
+``DeepseekV2Config`` (``DeepseekV3Config.v2_config``): multi-head latent attention with interleaved
 decoupled RoPE and YaRN, the dense first ``first_k_dense_replace`` layers, the shared experts and the
 routed SwiGLU experts. What differs is the router
 (``noaux_tc_router``): sigmoid scores; for the choice only, each expert's score plus its
@@ -83,7 +83,7 @@ class DeepseekV3Config:
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         try:  # every shared field checked once, by DeepSeek-V2's config; the error names ours
-            object.__setattr__(self, "rope_scaling", self.v2.rope_scaling)
+            object.__setattr__(self, "rope_scaling", self.v2_config.rope_scaling)
         except ValueError as e:
             raise ValueError(str(e).replace("DeepseekV2Config", name)) from None
         E, groups = self.n_routed_experts, self.n_group
@@ -102,7 +102,7 @@ class DeepseekV3Config:
                 raise ValueError(f"{name}.{f} must be >= 0, got {getattr(self, f)}")
 
     @functools.cached_property
-    def v2(self) -> v2.DeepseekV2Config:
+    def v2_config(self) -> v2.DeepseekV2Config:
         """The DeepSeek-V2 config with this model's attention, experts and layers (greedy softmax
         routing there, unused: V3's router replaces it); V2's stage functions run on it."""
         return v2.DeepseekV2Config(**{f: getattr(self, f) for f in V2_FIELDS}, aux_loss_alpha=0.0)
@@ -143,7 +143,7 @@ def noaux_tc_router(
 
 
 # ----------------------------------------------------------------------------------------------
-# what the decoder builder takes: V2's attention and experts (on cfg.v2), V3's router
+# what the decoder builder takes: V2's attention and experts (on cfg.v2_config), V3's router
 
 
 def dims(cfg: DeepseekV3Config) -> decoder.DecoderDims:
@@ -161,7 +161,7 @@ def attention(
     cfg: DeepseekV3Config, layer: int, p: Params, x: Tensor, positions: Tensor, ctx: StageContext
 ) -> Tensor:
     """DeepSeek-V2's MLA: x [b,s,H] normed -> [b,s,H]."""
-    return v2.attention(cfg.v2, layer, p, x, positions, ctx)
+    return v2.attention(cfg.v2_config, layer, p, x, positions, ctx)
 
 
 def route(cfg: DeepseekV3Config, p: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -179,24 +179,28 @@ def router_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
 
 
 def attention_shapes(cfg: DeepseekV3Config, layer: int) -> dict[str, tuple[int, ...]]:
-    return v2.attention_shapes(cfg.v2, layer)
+    return v2.attention_shapes(cfg.v2_config, layer)
 
 
 def expert_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    return v2.expert_shapes(cfg.v2)
+    return v2.expert_shapes(cfg.v2_config)
+
+
+def shared_experts(cfg: DeepseekV3Config, p: Params, x: Tensor) -> Tensor:
+    return v2.shared_experts(cfg.v2_config, p, x)
 
 
 def shared_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    return v2.shared_shapes(cfg.v2)
+    return v2.shared_shapes(cfg.v2_config)
 
 
 def dense_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    return v2.dense_shapes(cfg.v2)
+    return v2.dense_shapes(cfg.v2_config)
 
 
 DECODER = decoder.MoEDecoder(
     dims, attention, attention_shapes, route, router_shapes, decoder.swiglu_experts, expert_shapes,
-    shared_experts=v2.shared_experts, shared_shapes=shared_shapes, dense_mlp=decoder.dense_swiglu,
+    shared_experts=shared_experts, shared_shapes=shared_shapes, dense_mlp=decoder.dense_swiglu,
     dense_shapes=dense_shapes,
 )  # fmt: skip
 build, init_params, param_shapes, logits = (
@@ -209,7 +213,7 @@ build, init_params, param_shapes, logits = (
 
 def train_flops_per_token(cfg: DeepseekV3Config, seq: int) -> float:
     """DeepSeek-V2's count (the same GEMMs: the router's [E, H] product, top-k + shared experts, MLA)."""
-    return v2.train_flops_per_token(cfg.v2, seq)
+    return v2.train_flops_per_token(cfg.v2_config, seq)
 
 
 # ----------------------------------------------------------------------------------------------

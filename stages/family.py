@@ -74,6 +74,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qwen3_moe": "fmoe.stages.qwen3_moe",
     "deepseek_v2": "fmoe.stages.deepseek_v2",
     "gpt_oss": "fmoe.stages.gpt_oss",
+    "deepseek_v3": "fmoe.stages.deepseek_v3",
 }
 
 

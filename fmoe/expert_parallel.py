@@ -22,7 +22,7 @@ from torch import Tensor
 from fmoe import runner
 from fmoe import stage as S
 from fmoe.stages import moe
-from fmoe.stages.spec import Model, StageContext
+from fmoe.stages.spec import Model, RoutedTokens, StageContext
 
 __all__ = [
     "EPStepResult",
@@ -130,7 +130,6 @@ def ep_step(
     """
     ep, rank = moe.group_size(ep_group), moe.group_rank(ep_group)
     groups = {"ep": ep_group} if ep > 1 else {}
-    num_experts = getattr(model.config, "num_experts", 0)
     loads: dict[int, Tensor] = {}
     grads: dict[str, Tensor] = {}
     merge_later: dict = {}  # expert weight GEMMs, merged over the step's microbatches
@@ -141,8 +140,8 @@ def ep_step(
         fwds, terms = [], []
         for layer, stage in zip(model.layer_of, model.stages):
             inputs = runner.stage_inputs(stage, carry, mb)
-            if stage.name.endswith(".dispatch"):  # inputs (h1, x, ids, w): log the routing
-                load = moe.expert_load(inputs[2], num_experts)
+            if stage.role == "dispatch":  # its inputs start with RoutedTokens: log the routing
+                load = moe.expert_load(RoutedTokens._make(inputs[:4]).expert_ids, model.num_experts)
                 loads[layer] = loads[layer] + load if layer in loads else load
             outputs, fwd = S.forward(stage, params_local, inputs, ctx)
             carry, stage_terms = runner.split_outputs(stage, outputs)

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: export fmoe params to a folder transformers loads, and import back.
 
-A family module in ``fmoe.stages`` supplies the pure conversions (``to_hf``, ``from_hf``,
-``hf_config``, ``config_from_hf``); this module does the files: ``config.json`` and
+A family's contract (``fmoe.stages.family.Family``, its ``hf`` mapping) supplies the pure
+conversions (``to_hf``, ``from_hf``, ``hf_config``, ``config_from_hf``); this module does the files: ``config.json`` and
 ``model.safetensors``, written atomically.
 """
 
@@ -12,22 +12,26 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
+from fmoe.stages.family import BUILTIN_FAMILIES, Family
+from fmoe.stages.family import lookup as family
 
-FAMILIES: dict[str, ModuleType] = {"qwen3_moe": qwen3_moe, "deepseek_v2": deepseek_v2, "gpt_oss": gpt_oss}
+__all__ = ["ExportError", "WeightsMismatch", "export_hf", "family", "import_hf"]
 
 
-def family(name: str) -> ModuleType:
-    if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[name]
+def family_of_model_type(model_type: str) -> str:
+    """The builtin family whose Hugging Face ``model_type`` is ``model_type``; ValueError otherwise."""
+    for name in BUILTIN_FAMILIES:
+        fam = family(name)
+        if fam.hf is not None and fam.hf.model_type == model_type:
+            return name
+    known = sorted(f.hf.model_type for f in map(family, BUILTIN_FAMILIES) if f.hf is not None)
+    raise ValueError(f"unknown model_type {model_type!r} (known: {known}; name another family to import it)")
 
 
 class ExportError(ValueError):
@@ -116,7 +120,7 @@ class WeightsMismatch(ValueError):
     """Weights that do not fit the config they are exported with; the message names the tensor."""
 
 
-def _check_params_fit(fam: ModuleType, cfg, params: dict[str, Tensor]) -> None:
+def _check_params_fit(fam: Family, cfg, params: dict[str, Tensor]) -> None:
     """WeightsMismatch naming the first parameter that the config's model lacks, or has another shape."""
     shapes = fam.param_shapes(cfg)
     missing = [n for n in shapes if n not in params]
@@ -200,8 +204,8 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     """Read a Hugging Face folder (config.json + one or more *.safetensors) -> (family, config, params).
 
     Nothing is guessed or dropped: every config.json key must be one the family honours or knows to
-    be harmless (``HF_HONOURED_FIELDS`` / ``HF_PINNED_FIELDS`` / ``HF_METADATA_FIELDS`` of its
-    module), and every tensor must be one the config implies, at the shape it implies. Any other
+    be harmless (the ``honoured_fields`` / ``pinned_fields`` / ``metadata_fields`` of its ``hf``
+    mapping), and every tensor must be one the config implies, at the shape it implies. Any other
     case raises a one-line ValueError naming the file and the key or tensor.
     """
     folder = Path(folder)
@@ -215,14 +219,19 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     if not isinstance(hf, dict):
         raise ValueError(f"{config_path}: not a JSON object")
     model_type = hf.get("model_type")
-    if family_name is not None and model_type is not None and model_type != family_name:
+    if family_name is None:
+        if model_type is None:
+            raise ValueError(f"{config_path}: no model_type (known families: {sorted(BUILTIN_FAMILIES)})")
+        try:
+            family_name = family_of_model_type(model_type)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
+    name = family_name
+    fam = family(name)
+    if model_type is not None and model_type != fam.hf_mapping().model_type:
         raise ValueError(
             f"{config_path}: model_type {model_type!r} is not the family asked for, {family_name!r}"
         )
-    name = family_name or model_type
-    if name is None:
-        raise ValueError(f"{config_path}: no model_type (known: {sorted(FAMILIES)})")
-    fam = family(name)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")

@@ -26,8 +26,8 @@ get no gradient.
 
 FB runs the forward of one (microbatch, chunk) and the full backward of another stage by stage, in
 the order of a small table over the five layer stages (``FB_ORDER``, Pith-Train's by default): a
-token like "B5+1" runs, on the backward side, the next stages whose role (attn=1, dispatch=2, mlp=3,
-combine=4, aggregate=5; 0 for the embedding, head and unknown stages, which run with the token that
+token like "B5+1" runs, on the backward side, the next stages whose ``Stage.role`` (attn=1, dispatch=2,
+mlp=3, combine=4, aggregate=5; 0 for the embed, head and other roles, which run with the token that
 reaches them) is in {5, 1}, at most one stage per role, so a cycle of the tokens walks one layer of
 each side; "B3i" runs an input-only B (its W waits for a "W3" token). On CPU the order runs
 sequentially; putting comm stages on a side CUDA stream is left for later.
@@ -64,7 +64,7 @@ from fmoe.schedules import (
     stage_of,
     validate,
 )
-from fmoe.stages.spec import Model, StageContext
+from fmoe.stages.spec import Model, Stage, StageContext
 
 HEADER = 64
 _DTYPES = (
@@ -115,8 +115,9 @@ def parse_fb_order(text: str) -> tuple[FBStep, ...]:
     return tuple(steps)
 
 
-def role(stage_name: str) -> int:
-    return ROLES.get(stage_name.rsplit(".", 1)[-1], 0)
+def role(stage: Stage) -> int:
+    """The FB order's number of a stage's ``role`` (0: not one of the five layer roles)."""
+    return ROLES.get(stage.role, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ class _Forward:
         self.fwds: list = []
 
     def next_role(self) -> int | None:
-        return role(self.st.model.stages[self.todo[0]].name) if self.todo else None
+        return role(self.st.model.stages[self.todo[0]]) if self.todo else None
 
     def step(self) -> None:
         st, i = self.st, self.todo.pop(0)
@@ -230,7 +231,7 @@ class _Backward:
         self.deferred: list = []  # (role, work) waiting for a W token (FB)
 
     def next_role(self) -> int | None:
-        return role(self.fwds[self.todo[0]].stage.name) if self.todo else None
+        return role(self.fwds[self.todo[0]].stage) if self.todo else None
 
     def step(self, defer_w: bool = False) -> None:
         i = self.todo.pop(0)
@@ -242,7 +243,7 @@ class _Backward:
         grad_in, work = S.backward_input(fwd, grad_out, self.st.scale)
         self.grad = tuple(grad_in[: len(grad_in) - len(stage.batch_inputs)])
         if defer_w:
-            self.deferred.append((role(stage.name), work))
+            self.deferred.append((role(stage), work))
         else:
             self.works.append(work)
 

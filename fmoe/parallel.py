@@ -63,13 +63,12 @@ def layout(
     """The shard layout of ``names`` (default: every parameter) on this rank.
 
     shapes: every parameter's canonical shape (a family's ``param_shapes(cfg)``)."""
-    cfg = model.config
     out = {}
     for name in names if names is not None else list(shapes):
         shape = tuple(shapes[name])
         group = "dp_cp" if is_expert_param(name) else "dp_cp_ep"
         if is_expert_param(name) and mesh.ep > 1:
-            shape = (cfg.num_experts // mesh.ep, *shape[1:])
+            shape = (model.num_experts // mesh.ep, *shape[1:])
         size, index = _group_size_rank(mesh, group)
         out[name] = ShardInfo(shape, group, size, index)
     return out

@@ -18,7 +18,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported lazily: reading a recipe never needs it
+    from fmoe.stages.family import Family
 
 
 class RecipeError(ValueError):
@@ -160,14 +163,19 @@ def build_dataclass(cls: type, data: dict, where: str) -> Any:
         raise RecipeError(f"{file}: {text}" if file else f"{where}: {text}") from None
 
 
-def model_config_class(family: str) -> type:
-    from fmoe.hf import family as family_module
+def model_family(family: str, where: str = "recipe") -> Family:
+    """The family ``model.family`` names: a builtin name or a module's import path (its FAMILY)."""
+    from fmoe.stages.family import lookup as lookup_family  # torch, only once a model is needed
 
     try:
-        module = family_module(family)
+        return lookup_family(family)
     except ValueError as e:
-        raise RecipeError(str(e)) from None
-    return next(v for k, v in vars(module).items() if k.endswith("Config") and dataclasses.is_dataclass(v))
+        raise RecipeError(f"{where}: model.family: {e}") from None
+
+
+def model_config_class(family: str) -> type:
+    """The config dataclass of the family ``family`` names."""
+    return model_family(family).config_class
 
 
 def validate(recipe: Recipe) -> None:
@@ -202,10 +210,10 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(
             f"{where}: parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}"
         )
-    max_positions = recipe.model.max_position_embeddings
-    if max_positions < recipe.data.seq_len:
+    sizes = model_family(recipe.model_family, where).sizes(recipe.model)
+    if sizes.max_positions is not None and sizes.max_positions < recipe.data.seq_len:
         raise RecipeError(
-            f"{where}: model.max_position_embeddings ({max_positions}) must be >= data.seq_len "
+            f"{where}: model.{sizes.max_positions_field} ({sizes.max_positions}) must be >= data.seq_len "
             f"({recipe.data.seq_len})"
         )
     _validate_schedule(recipe, where)
@@ -250,7 +258,6 @@ def _validate_schedule(recipe: Recipe, where: str) -> None:
     """parallel.schedule names a generator or an existing CSV (whatever pp is), and with pp > 1 every
     pipeline rank runs at least one model stage (a rank with none would wait on its peers forever)."""
     from fmoe import pipeline, schedules
-    from fmoe.hf import family as family_module
 
     p = recipe.parallel
     name = p.schedule
@@ -274,7 +281,7 @@ def _validate_schedule(recipe: Recipe, where: str) -> None:
         _, placement, chunks = schedules.GENERATORS[name]
         if name == "interleaved-1f1b":
             chunks = p.chunks
-    model = family_module(recipe.model_family).build(recipe.model)
+    model = model_family(recipe.model_family, where).build(recipe.model)
     try:
         stage_map = pipeline.stage_map(model, placement, p.pp, chunks)
     except ValueError as e:
@@ -283,7 +290,7 @@ def _validate_schedule(recipe: Recipe, where: str) -> None:
     if idle:
         raise RecipeError(
             f"{where}: parallel.pp = {p.pp} ({name}: {p.pp if placement == 'bidir' else p.pp * chunks} "
-            f"pipeline stages) but model.num_hidden_layers = {recipe.model.num_hidden_layers}: pipeline "
+            f"pipeline stages) but the model has {model_family(recipe.model_family).sizes(recipe.model).num_layers} layers: pipeline "
             f"rank {idle[0]} would run no stage; use fewer pipeline ranks or more layers"
         )
 
@@ -298,7 +305,7 @@ def from_dict(data: dict, path: str = "recipe") -> Recipe:
     family = model.pop("family", "qwen3_moe")
     if not isinstance(family, str):
         raise RecipeError(f"{path}: model.family must be str, got {family!r}")
-    cfg = build_dataclass(model_config_class(family), model, f"{path}: model")
+    cfg = build_dataclass(model_family(family, path).config_class, model, f"{path}: model")
     sections = {
         name: build_dataclass(cls, data.get(name, {}), f"{path}: {name}") for name, cls in SECTIONS.items()
     }

@@ -272,7 +272,8 @@ def _agree_on_resume_point(recipe: Recipe, mesh) -> Path | None:
 def _setup_mesh(recipe: Recipe):
     """Process group (torchrun's environment) and mesh; sizes checked before anything is built."""
     p, t = recipe.parallel, recipe.train
-    if p.cp > 1 and not getattr(family_module(recipe.model_family), "SUPPORTS_CONTEXT_PARALLEL", False):
+    fam = family_module(recipe.model_family)
+    if p.cp > 1 and not fam.supports_context_parallel:
         raise RecipeError(
             f"{recipe.path}: parallel.cp = {p.cp}, but model family {recipe.model_family!r} has no "
             f"context-parallel attention yet: set parallel.cp = 1"
@@ -282,7 +283,7 @@ def _setup_mesh(recipe: Recipe):
         world = dist.get_world_size()
     try:
         check_sizes(p.pp, p.dp, p.cp, p.ep, world, microbatches=t.microbatches, schedule=p.schedule,
-                    num_experts=getattr(recipe.model, "num_experts", None), seq_len=recipe.data.seq_len,
+                    num_experts=fam.sizes(recipe.model).num_experts, seq_len=recipe.data.seq_len,
                     global_batch=t.global_batch)  # fmt: skip
     except MeshError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None

@@ -1,4 +1,5 @@
-"""GPT-OSS as pure stage functions.
+"""GPT-OSS on the MoE decoder builder (``fmoe.stages.decoder``: the stages, what flows between
+them, parameter names and init).
 
 Attention: grouped-query attention with biased projections, a learned per-head sink logit (a
 softmax column every query attends to whose value is zero), and layers alternating between a
@@ -7,17 +8,6 @@ Rotary positions (half-rotation layout) with YaRN scaling. Every layer is MoE: a
 picks the top-k logits and softmaxes over just those; each expert is a biased, clamped SwiGLU
 (``gate`` clamped above at ``swiglu_limit``, ``up`` to +-limit, ``(up + 1) * gate * sigmoid(alpha *
 gate)``), its gate and up columns interleaved as in the released checkpoints.
-
-Stages, with what flows between them (b batch, s sequence, T = b*s, k top-k, n = T*k):
-  embed      (tokens)            -> (h [b,s,H])
-  per layer (one expert-parallel rank, dropless; see fmoe.stages.qwen3_moe for the ep forms):
-    attn       (h, positions)    -> (h1, x [T,H], ids [T,k], w [T,k])  + aux loss
-    dispatch   (h1, x, ids, w)   -> (h1, x_perm [n,H], w, order [n], offs [E])
-    mlp        (h1, x_perm, w, order, offs, *rest) -> (h1, y_perm [n,H], w, order, *rest)
-    combine    (h1, y_perm, w, order, *rest)       -> (h1, y [T,k,H], w)
-    aggregate  (h1, y, w)        -> (h [b,s,H])
-  head       (h, labels)         -> (loss,)
-Dispatch, combine and aggregate are Qwen3-MoE's (``fmoe.stages.qwen3_moe``).
 
 Parameter names are transformers' (``GptOssForCausalLM``). One layout differs: fmoe keeps every
 expert weight [E, out, in] for its grouped GEMM, so ``mlp.experts.gate_up_proj`` is [E, 2I, H]
@@ -28,16 +18,14 @@ stores [E, H, 2I] and [E, I, H]; ``to_hf`` / ``from_hf`` transpose. The biases
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from fmoe.stages import deepseek_v2 as rope
-from fmoe.stages import layers, qwen3_moe
+from fmoe.stages import decoder, rotary
+from fmoe.stages import family as fam
 from fmoe.stages.primitives import grouped_linear, linear
-from fmoe.stages.spec import Model, Params, Stage, StageContext
+from fmoe.stages.spec import Params, StageContext
 from torch import Tensor
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -59,7 +47,7 @@ class GptOssConfig:
     """Fields named as in transformers' ``GptOssConfig``; defaults give a tiny CPU model.
 
     layer_types: one of LAYER_TYPES per layer; None means transformers' default (sliding on even
-    layers, full on odd). rope_scaling: YaRN table (see fmoe.stages.deepseek_v2.check_rope_scaling)
+    layers, full on odd). rope_scaling: YaRN table (see fmoe.stages.rotary.check_rope_scaling)
     or None for plain RoPE; the default is gpt-oss's.
     """
 
@@ -142,7 +130,7 @@ class GptOssConfig:
                 f"{name}.moe_capacity_factor must be > 0 or None, got {self.moe_capacity_factor}"
             )
         object.__setattr__(
-            self, "rope_scaling", rope.check_rope_scaling(self.rope_scaling, f"{name}.rope_scaling")
+            self, "rope_scaling", rotary.check_rope_scaling(self.rope_scaling, f"{name}.rope_scaling")
         )
 
     @property
@@ -161,8 +149,14 @@ class GptOssConfig:
         return True
 
 
-# ----------------------------------------------------------------------------------------------
-# building blocks
+def dims(cfg: GptOssConfig) -> decoder.DecoderDims:
+    return decoder.DecoderDims(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+        moe_layers=tuple(range(cfg.num_hidden_layers)), num_experts=cfg.num_local_experts,
+        top_k=cfg.num_experts_per_tok, norm_eps=cfg.rms_norm_eps, aux_loss_coef=cfg.router_aux_loss_coef,
+        tie_word_embeddings=cfg.tie_word_embeddings, init_std=cfg.initializer_range,
+        capacity_factor=cfg.moe_capacity_factor, max_positions=cfg.max_position_embeddings,
+    )  # fmt: skip
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -227,18 +221,14 @@ def row_experts(offs: Tensor, rows: int) -> Tensor:
     return idx.clamp_(max=offs.shape[0] - 1)
 
 
-# ----------------------------------------------------------------------------------------------
-# stage functions: pure, over a params dict with the layer prefix stripped
-
-
-def embed(p: Params, inputs: tuple[Tensor, ...], ctx: StageContext) -> tuple[Tensor, ...]:
-    """(tokens [b,s] int64) -> (h [b,s,H])."""
-    (tokens,) = inputs
-    return (F.embedding(tokens, p["model.embed_tokens.weight"]),)
-
-
-def attention(cfg: GptOssConfig, layer: int, p: Params, x: Tensor, positions: Tensor) -> Tensor:
+def attention(
+    cfg: GptOssConfig, layer: int, p: Params, x: Tensor, positions: Tensor, ctx: StageContext
+) -> Tensor:
     """Sink attention of layer ``layer``. x: [b, s, H] (normed), positions [b, s] | [s] -> [b, s, H]."""
+    if ctx.group("cp") is not None:
+        raise NotImplementedError(
+            "GPT-OSS sink attention has no context-parallel form yet: run it with parallel.cp = 1"
+        )
     b, s, _ = x.shape
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
 
@@ -247,8 +237,8 @@ def attention(cfg: GptOssConfig, layer: int, p: Params, x: Tensor, positions: Te
         return biased_linear(x, p[f"self_attn.{n}.weight"], bias).view(b, s, heads, d).transpose(1, 2)
 
     q, k, v = proj("q_proj", hq), proj("k_proj", hkv), proj("v_proj", hkv)
-    angles, factor = rope.rotary_angles(positions, d, cfg.rope_theta, cfg.rope_scaling)
-    angles = angles if angles.dim() == 3 else angles[None]
+    angles, factor = rotary.rotary_angles(positions, d, cfg.rope_theta, cfg.rope_scaling)
+    angles = rotary.batch_angles(angles)
     q, k = rotate_halves(q, angles, factor), rotate_halves(k, angles, factor)
     out = sink_attention(q, k, v, p["self_attn.sinks"], positions, d**-0.5, cfg.window(layer))
     o_bias = p["self_attn.o_proj.bias"] if cfg.attention_bias else None
@@ -264,147 +254,64 @@ def router(cfg: GptOssConfig, x: Tensor, w: Tensor, bias: Tensor) -> tuple[Tenso
     return probs, torch.softmax(top, dim=-1), ids
 
 
-def attn(cfg: GptOssConfig, layer: int, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """Pre-norm sink attention with residual, the post-attention norm, the router.
-
-    (h [b,s,H], positions [b,s]|[s]) -> (h1 [b,s,H], x [T,H], ids [T,k] i64, w [T,k], aux [])
-    """
-    h, positions = inputs
-    if ctx.group("cp") is not None:
-        raise NotImplementedError(
-            "GPT-OSS sink attention has no context-parallel form yet: run it with parallel.cp = 1"
-        )
-    h1 = h + attention(cfg, layer, p, rms_norm(h, p["input_layernorm.weight"], cfg.rms_norm_eps), positions)
-    x = rms_norm(h1, p["post_attention_layernorm.weight"], cfg.rms_norm_eps).reshape(-1, cfg.hidden_size)
-    probs, w, ids = router(cfg, x, p["mlp.router.weight"], p["mlp.router.bias"])
-    outputs = (h1, x, ids, w)
-    if cfg.router_aux_loss_coef:
-        outputs += (layers.load_balancing_loss(probs, ids, cfg.num_experts),)
-    return outputs
-
-
-def dispatch(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """Qwen3-MoE's dispatch: (h1, x [T,H], ids, w) -> (h1, x_perm [n,H], w, order, offs, *ep extras)."""
-    return qwen3_moe.dispatch(cfg, p, inputs, ctx)
-
-
-def mlp(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """Biased clamped-SwiGLU experts of this ep rank over expert-grouped rows:
-    (h1, x_perm [n,H], w, order, offs [El], *rest) -> (h1, y_perm [n,H], w, order, *rest)."""
-    h1, x_perm, w, order, offs, *rest = inputs
-    gate_up, down = p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"]
-    if gate_up.shape[0] != offs.shape[0] or down.shape[0] != offs.shape[0]:
-        raise ValueError(
-            f"mlp.experts.gate_up_proj / down_proj hold {gate_up.shape[0]} / {down.shape[0]} experts but "
-            f"dispatch grouped rows for {offs.shape[0]}: under expert parallelism pass each rank its "
-            "shard (fmoe.expert_parallel.shard_params)"
-        )
-    expert = row_experts(offs, x_perm.shape[0])
-    a = grouped_linear(x_perm, gate_up, offs) + p["mlp.experts.gate_up_proj_bias"].index_select(0, expert)
-    a = clamped_swiglu(a, cfg.swiglu_alpha, cfg.swiglu_limit)
-    y = grouped_linear(a, down, offs) + p["mlp.experts.down_proj_bias"].index_select(0, expert)
-    return (h1, y, w, order, *rest)
-
-
-def combine(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """Qwen3-MoE's combine: (h1, y_perm, w, order, *rest) -> (h1, y [T,k,H], w)."""
-    return qwen3_moe.combine(cfg, p, inputs, ctx)
-
-
-def aggregate(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """(h1, y [T,k,H], w [T,k]) -> (h [b,s,H])."""
-    return qwen3_moe.aggregate(cfg, True, p, inputs, ctx)
-
-
-def head_logits(cfg: GptOssConfig, p: Params, h: Tensor) -> Tensor:
-    """Final norm and LM head: h [b,s,H] -> logits [b,s,V] (as Qwen3-MoE's)."""
-    return qwen3_moe.head_logits(cfg, p, h)
-
-
-def head(cfg: GptOssConfig, p: Params, inputs: tuple[Tensor, ...], ctx: StageContext):
-    """(h [b,s,H], labels [b,s] i64, -100 ignored) -> (mean token cross-entropy,) (as Qwen3-MoE's)."""
-    return qwen3_moe.head(cfg, p, inputs, ctx)
-
-
-# ----------------------------------------------------------------------------------------------
-# the model
-
-
-def param_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's global name and shape, in a stable order."""
-    H, d, E, I = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts, cfg.intermediate_size
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
-    for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        shapes[pre + "input_layernorm.weight"] = (H,)
-        for n, out in (("q_proj", hq * d), ("k_proj", hkv * d), ("v_proj", hkv * d)):
-            shapes[pre + f"self_attn.{n}.weight"] = (out, H)
-            if cfg.attention_bias:
-                shapes[pre + f"self_attn.{n}.bias"] = (out,)
-        shapes[pre + "self_attn.o_proj.weight"] = (H, hq * d)
+def attention_shapes(cfg: GptOssConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    H, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n, out, into in (
+        ("q_proj", hq * d, H),
+        ("k_proj", hkv * d, H),
+        ("v_proj", hkv * d, H),
+        ("o_proj", H, hq * d),
+    ):
+        shapes[f"self_attn.{n}.weight"] = (out, into)
         if cfg.attention_bias:
-            shapes[pre + "self_attn.o_proj.bias"] = (H,)
-        shapes[pre + "self_attn.sinks"] = (hq,)
-        shapes[pre + "post_attention_layernorm.weight"] = (H,)
-        shapes[pre + "mlp.router.weight"] = (E, H)
-        shapes[pre + "mlp.router.bias"] = (E,)
-        shapes[pre + "mlp.experts.gate_up_proj"] = (E, 2 * I, H)
-        shapes[pre + "mlp.experts.gate_up_proj_bias"] = (E, 2 * I)
-        shapes[pre + "mlp.experts.down_proj"] = (E, H, I)
-        shapes[pre + "mlp.experts.down_proj_bias"] = (E, H)
-    shapes["model.norm.weight"] = (H,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, H)
-    return shapes
+            shapes[f"self_attn.{n}.bias"] = (out,)
+    return shapes | {"self_attn.sinks": (hq,)}
 
 
-def init_params(
-    cfg: GptOssConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> dict[str, Tensor]:
-    """Seeded init: norms 1, biases 0, everything else (sinks included) N(0, initializer_range), each
-    parameter from its own generator seeded by (seed, name) so any layout inits the same numbers."""
-    params = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            value = torch.ones(shape)
-        elif name.endswith("bias"):
-            value = torch.zeros(shape)
-        else:
-            value = layers.seeded_normal(name, shape, seed, cfg.initializer_range)
-        params[name] = value.to(device=device, dtype=dtype)
-    return params
+def route(cfg: GptOssConfig, p: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``MoEDecoder.router``: ``router`` with the layer's weight and bias."""
+    return router(cfg, x, p["mlp.router.weight"], p["mlp.router.bias"])
 
 
-def build(cfg: GptOssConfig) -> Model:
-    """The model's stages in forward order."""
-    shapes = param_shapes(cfg)
-    stages = [Stage("embed", embed, ("model.embed_tokens.weight",), batch_inputs=("tokens",))]
-    layer_of = [-1]
-    aux_weight = cfg.router_aux_loss_coef / cfg.num_hidden_layers
-    part = functools.partial
-    for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        owned = [n for n in shapes if n.startswith(pre)]
-        attn_params = tuple(n for n in owned if "self_attn" in n or "layernorm" in n or ".mlp.router." in n)
-        mlp_params = tuple(n for n in owned if n not in attn_params)
-        losses = (aux_weight,) if cfg.router_aux_loss_coef else ()
-        layer = [
-            Stage(f"layers.{i}.attn", part(attn, cfg, i), attn_params, pre, ("positions",), losses),
-            Stage(f"layers.{i}.dispatch", part(dispatch, cfg), kind="comm"),
-            Stage(f"layers.{i}.mlp", part(mlp, cfg), mlp_params, pre),
-            Stage(f"layers.{i}.combine", part(combine, cfg), kind="comm"),
-            Stage(f"layers.{i}.aggregate", part(aggregate, cfg)),
-        ]
-        stages += layer
-        layer_of += [i] * len(layer)
-    head_params = (
-        "model.norm.weight",
-        "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight",
+def router_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
+    return {
+        "mlp.router.weight": (cfg.num_local_experts, cfg.hidden_size),
+        "mlp.router.bias": (cfg.num_local_experts,),
+    }
+
+
+def experts(cfg: GptOssConfig, p: Params, x: Tensor, offs: Tensor) -> Tensor:
+    """Biased clamped-SwiGLU experts of this ep rank over expert-grouped rows x [n,H] (offs [El]) -> [n,H]."""
+    expert = row_experts(offs, x.shape[0])
+    a = grouped_linear(x, p["mlp.experts.gate_up_proj"], offs)
+    a = clamped_swiglu(
+        a + p["mlp.experts.gate_up_proj_bias"].index_select(0, expert), cfg.swiglu_alpha, cfg.swiglu_limit
     )
-    stages.append(Stage("head", part(head, cfg), head_params, batch_inputs=("labels",), losses=(1.0,)))
-    layer_of.append(-1)
-    return Model(cfg, tuple(stages), part(init_params, cfg), tuple(layer_of))
+    return grouped_linear(a, p["mlp.experts.down_proj"], offs) + p["mlp.experts.down_proj_bias"].index_select(
+        0, expert
+    )
+
+
+def expert_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
+    E, H, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    return {
+        "mlp.experts.gate_up_proj": (E, 2 * inter, H),
+        "mlp.experts.gate_up_proj_bias": (E, 2 * inter),
+        "mlp.experts.down_proj": (E, H, inter),
+        "mlp.experts.down_proj_bias": (E, H),
+    }
+
+
+DECODER = decoder.MoEDecoder(
+    dims, attention, attention_shapes, route, router_shapes, experts, expert_shapes, norm=rms_norm
+)
+build, init_params, param_shapes, logits = (
+    DECODER.build,
+    DECODER.init_params,
+    DECODER.param_shapes,
+    DECODER.logits,
+)
 
 
 def causal_keys(seq: int, window: int | None) -> float:
@@ -429,57 +336,23 @@ def train_flops_per_token(cfg: GptOssConfig, seq: int) -> float:
     return 6.0 * active + 3 * 2 * 2 * hq * d * keys
 
 
-def logits(cfg: GptOssConfig, params: Params, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-    """Plain forward to logits [b,s,V] (inference, HF parity checks); runs the same stage functions."""
-    return rope.run_to_logits(build(cfg), functools.partial(head_logits, cfg), params, tokens, positions)
-
-
 # ----------------------------------------------------------------------------------------------
 # Hugging Face checkpoint layout: transformers' (the dequantized bf16 checkpoints' names), stacked
 # experts [E, in, out]; fmoe's expert weights are [E, out, in] (see the module docstring).
+# config.json keys are honoured, pinned or metadata, as in fmoe.stages.qwen3_moe.
 
-HF_ARCHITECTURE = "GptOssForCausalLM"
-HF_MODEL_TYPE = "gpt_oss"
 FMOE_ONLY_FIELDS = ("moe_capacity_factor", "rope_theta", "rope_scaling")
 _TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# config.json keys, as in fmoe.stages.qwen3_moe: honoured (set or checked against a config field),
-# pinned (only the listed values), metadata (nothing the model computes); anything else is refused
-HF_HONOURED_FIELDS = frozenset(
-    {
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "num_local_experts",
-        "num_experts",  # transformers' alias of num_local_experts
-        "num_experts_per_tok",
-        "experts_per_token",  # the released checkpoints' duplicate of num_experts_per_tok
-        "sliding_window",
-        "layer_types",
-        "swiglu_alpha",
-        "swiglu_limit",
-        "attention_bias",
-        "rms_norm_eps",
-        "rope_parameters",  # transformers 5: default or yarn (deepseek_v2.check_rope_scaling)
-        "rope_theta",  # transformers 4 / the hub
-        "rope_scaling",  # transformers 4 / the hub: null or yarn
-        "max_position_embeddings",
-        "router_aux_loss_coef",
-        "tie_word_embeddings",
-        "initializer_range",
-    }
-)
-HF_PINNED_FIELDS: dict[str, tuple] = {
-    "attention_dropout": (0.0,),
-    "quantization_config": (None,),  # MXFP4 checkpoints: dequantize to bf16 first
-}
-HF_METADATA_FIELDS = qwen3_moe.HF_COMMON_METADATA_FIELDS | {
-    "hidden_act",  # transformers' GptOss never reads it: the experts' clamped SwiGLU is fixed
-    "initial_context_length",  # the release's note of its pre-YaRN length; transformers never reads it
-}
+# num_experts: transformers' alias of num_local_experts; experts_per_token: the released
+# checkpoints' duplicate of num_experts_per_tok; rope_parameters (transformers 5: default or yarn)
+# or rope_theta + rope_scaling (transformers 4 / the hub: null or yarn)
+HF_HONOURED_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok",
+    "experts_per_token", "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit", "attention_bias",
+    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings",
+    "router_aux_loss_coef", "tie_word_embeddings", "initializer_range",
+})  # fmt: skip
 # transformers' GptOssConfig defaults, for keys config.json omits (rope: gpt-oss's YaRN, theta 150000)
 HF_DEFAULTS = {
     "num_hidden_layers": 36,
@@ -528,35 +401,24 @@ def from_hf(cfg: GptOssConfig, tensors: Params) -> dict[str, Tensor]:
         t = tensors[name]
         # transformers stores the expert weights [E, in, out]: the shape config.json implies there
         stored = (shape[0], shape[2], shape[1]) if name.endswith(_TRANSPOSED) else shape
-        qwen3_moe.check_shape(name, t, stored)
+        fam.check_shape(name, t, stored)
         params[name] = t.transpose(1, 2).contiguous() if name.endswith(_TRANSPOSED) else t
-    qwen3_moe.refuse_surplus(tensors, set(shapes), cfg.tie_word_embeddings)
+    fam.refuse_surplus(tensors, set(shapes), cfg.tie_word_embeddings)
     return params
 
 
 def hf_config(cfg: GptOssConfig) -> dict:
     """config.json for transformers' GptOssForCausalLM."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in FMOE_ONLY_FIELDS}
-    out["layer_types"] = list(cfg.layer_types)
-    out["rope_parameters"] = rope.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
-    out.update(
-        architectures=[HF_ARCHITECTURE],
-        model_type=HF_MODEL_TYPE,
-        hidden_act="silu",
-        output_router_logits=False,
-        use_cache=False,
-    )
-    return out
+    out = fam.hf_config_fields(cfg, HF, FMOE_ONLY_FIELDS)
+    out["rope_parameters"] = rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
+    return out | {"hidden_act": "silu"}
 
 
 def config_from_hf(hf: Mapping) -> GptOssConfig:
     """Our config from a config.json dict: every key honoured, pinned or metadata (HF_HONOURED_FIELDS
     ...), a key it omits at transformers' default; ValueError names an unknown key or bad value."""
-    qwen3_moe.check_hf_fields(hf, HF_MODEL_TYPE, HF_HONOURED_FIELDS, HF_PINNED_FIELDS, HF_METADATA_FIELDS)
-    names = {f.name for f in fields(GptOssConfig) if f.name not in FMOE_ONLY_FIELDS}
-    kwargs = dict(HF_DEFAULTS)
-    kwargs.update({k: v for k, v in hf.items() if k in names and k != "num_local_experts"})
-    kwargs.update(qwen3_moe.aliased_field(hf, "num_local_experts", ("num_local_experts", "num_experts")))
+    aliases = {"num_local_experts": ("num_local_experts", "num_experts")}
+    kwargs = fam.hf_kwargs(hf, GptOssConfig, HF, HF_DEFAULTS, FMOE_ONLY_FIELDS, aliases)
     if "experts_per_token" in hf and hf["experts_per_token"] != kwargs["num_experts_per_tok"]:
         raise ValueError(
             f"config.json fields 'experts_per_token' ({hf['experts_per_token']}) and 'num_experts_per_tok' "
@@ -569,8 +431,29 @@ def config_from_hf(hf: Mapping) -> GptOssConfig:
         type(kwargs[k]) is int for k in ("hidden_size", "num_attention_heads")
     ):
         kwargs["head_dim"] = kwargs["hidden_size"] // max(kwargs["num_attention_heads"], 1)
-    theta, scaling = rope.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
+    theta, scaling = rotary.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
     kwargs["rope_theta"] = theta
     if "rope_parameters" in hf or "rope_scaling" in hf:
         kwargs["rope_scaling"] = scaling
-    return GptOssConfig(**qwen3_moe.checked_kwargs(GptOssConfig, kwargs))
+    return GptOssConfig(**fam.checked_kwargs(GptOssConfig, kwargs))
+
+
+HF = fam.HFMapping(
+    architecture="GptOssForCausalLM",
+    model_type="gpt_oss",
+    honoured_fields=HF_HONOURED_FIELDS,
+    pinned_fields={
+        "attention_dropout": (0.0,),
+        "quantization_config": (None,),  # MXFP4 checkpoints: dequantize to bf16 first
+    },
+    metadata_fields=fam.HF_COMMON_METADATA_FIELDS
+    | {
+        "hidden_act",  # transformers' GptOss never reads it: the experts' clamped SwiGLU is fixed
+        "initial_context_length",  # the release's note of its pre-YaRN length; transformers never reads it
+    },
+    to_hf=to_hf,
+    from_hf=from_hf,
+    hf_config=hf_config,
+    config_from_hf=config_from_hf,
+)
+FAMILY = DECODER.family("gpt_oss", GptOssConfig, train_flops_per_token, HF)

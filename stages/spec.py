@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -70,14 +70,35 @@ class CustomGrad:
     backward_weight: Callable[..., dict[str, Tensor]]
 
 
+# What a stage is in the model: the embedding, a layer's attention (+ router), the exchange of
+# routed tokens to their experts, the experts (or a dense MLP), the exchange back, the weighted sum
+# with the residual, the LM head; "other" for a stage with none of these roles.
+ROLES = ("embed", "attn", "dispatch", "mlp", "combine", "aggregate", "head", "other")
+
+
+class RoutedTokens(NamedTuple):
+    """The inputs of every "dispatch" stage (its first four; a family may carry more after them).
+
+    residual: h1 [b,s,H], the residual stream after attention; tokens: x [T,H], the normed rows the
+    experts read; expert_ids: [T,k] int64, the experts each token is routed to; weights: [T,k].
+    """
+
+    residual: Tensor
+    tokens: Tensor
+    expert_ids: Tensor
+    weights: Tensor
+
+
 @dataclass(frozen=True)
 class Stage:
     """One pure stage of a model.
 
     name: unique within the model, e.g. "layers.3.attn"; params: the global parameter names it reads;
-    prefix: stripped from those names to form the keys ``forward`` sees; kind: "compute" or "comm"
-    (communication stages are what a schedule overlaps with another microbatch's compute);
-    statistics: the counts ``forward`` returns after its loss terms (see ``Statistic``).
+    prefix: stripped from those names to form the keys ``forward`` sees; role: what the stage is in
+    its layer, one of ``ROLES`` (the FB interpreter pairs stages by role; expert parallelism reads
+    the routing at the "dispatch" stage, whose inputs are ``RoutedTokens``; "dispatch" and "combine"
+    are the communication a schedule overlaps with another microbatch's compute); statistics: the
+    counts ``forward`` returns after its loss terms (see ``Statistic``).
     """
 
     name: str
@@ -86,9 +107,13 @@ class Stage:
     prefix: str = ""
     batch_inputs: tuple[str, ...] = ()
     losses: tuple[float, ...] = ()
-    kind: str = "compute"
+    role: str = "other"
     custom: CustomGrad | None = None
     statistics: tuple[Statistic, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"Stage {self.name!r}: role must be one of {ROLES}, got {self.role!r}")
 
     def local_name(self, global_name: str) -> str:
         return global_name[len(self.prefix) :]
@@ -108,7 +133,9 @@ class Model:
     ({Statistic.name: tensor}) move the params that are not trained by gradients (e.g. the
     aux-loss-free router bias); the trainer adds each update after the optimizer step. None: the
     model has no such params. buffers: the names of those params; the step reads them in float32
-    whatever its compute dtype (a bf16 copy would round their small updates away).
+    whatever its compute dtype (a bf16 copy would round their small updates away). num_experts:
+    the routed experts of each MoE layer (the range of a dispatch stage's ``expert_ids``); 0 when
+    the model has no MoE layer.
     """
 
     config: Any
@@ -117,6 +144,7 @@ class Model:
     layer_of: tuple[int, ...] = ()
     buffer_updates: Callable[[Mapping[str, Tensor]], dict[str, Tensor]] | None = None
     buffers: tuple[str, ...] = ()
+    num_experts: int = 0
 
     def statistics(self) -> list[Statistic]:
         """Every stage's statistics, in stage order."""

@@ -369,9 +369,9 @@ def test_every_key_of_the_installed_transformers_default_config_is_classified(tm
     saved = json.loads((tmp_path / "config.json").read_text())
     module = FAMILY_MODULES[family]
     honoured, pinned, metadata = (
-        module.HF_HONOURED_FIELDS,
-        set(module.HF_PINNED_FIELDS),
-        module.HF_METADATA_FIELDS,
+        module.FAMILY.hf.honoured_fields,
+        set(module.FAMILY.hf.pinned_fields),
+        module.FAMILY.hf.metadata_fields,
     )
     assert not (honoured & pinned or honoured & metadata or pinned & metadata), "a key in two classes"
     unclassified = sorted(set(saved) - honoured - pinned - metadata)

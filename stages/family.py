@@ -1,0 +1,428 @@
+"""The family contract: everything fmoe's runtime needs from a model family, as one object.
+
+A family is a module that exposes ``FAMILY``, a ``Family``. fmoe's own families are listed in
+``BUILTIN_FAMILIES``; any other family is named by the import path of its module, so a recipe's
+``model.family = "mypkg.my_family"`` trains, pipelines, checkpoints and exports a family that lives
+outside fmoe (``lookup``). The runtime reads only the contract's fields: no attribute probes, no
+stage or parameter names parsed.
+
+Writing a family. Most families are MoE decoders: write only what differs (attention, router,
+experts, optionally shared experts and dense layers) as plain functions, hand them to
+``fmoe.stages.decoder.MoEDecoder``, and the builder gives the rest (embed / attn / dispatch / mlp /
+combine / aggregate / head stages with their roles, parameter shapes, seeded init, logits)::
+
+    # mypkg/my_family.py
+    from dataclasses import dataclass
+    from fmoe.stages import layers
+    from fmoe.stages.decoder import DecoderDims, MoEDecoder, gated_mlp_shapes
+    from fmoe.stages.family import Family
+
+    @dataclass(frozen=True)
+    class MyConfig:            # frozen dataclass; the recipe's [model] table fills it
+        vocab_size: int = 256
+        hidden_size: int = 32
+        num_hidden_layers: int = 2
+        num_experts: int = 4
+        num_experts_per_tok: int = 2
+        moe_intermediate_size: int = 16
+
+    def dims(cfg):             # the sizes the builder reads, under the builder's names
+        return DecoderDims(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                           num_layers=cfg.num_hidden_layers, moe_layers=tuple(range(cfg.num_hidden_layers)),
+                           num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok)
+
+    def attention(cfg, layer, p, x, positions, ctx): ...   # x [b,s,H] normed -> [b,s,H]
+    def attention_shapes(cfg, layer): ...                   # {"self_attn.q_proj.weight": (..), ...}
+    def router(cfg, p, x): ...                              # x [T,H] -> (probs [T,E], weights [T,k], ids [T,k])
+    def router_shapes(cfg): return {"mlp.gate.weight": (cfg.num_experts, cfg.hidden_size)}
+    def experts(cfg, p, x, offs): return layers.expert_mlp(x, p["mlp.experts.gate_up_proj"],
+                                                           p["mlp.experts.down_proj"], offs)
+    def expert_shapes(cfg): ...                             # stacked [E, ...] under "mlp.experts."
+
+    DECODER = MoEDecoder(dims, attention, attention_shapes, router, router_shapes, experts, expert_shapes)
+    FAMILY = DECODER.family("my_family", MyConfig, train_flops_per_token=my_flops)
+
+A family that is no decoder fills ``Family`` itself: ``build(cfg)`` returns a ``spec.Model`` whose
+stages carry their ``role`` (``spec.ROLES``); a "dispatch" stage's inputs start with
+``spec.RoutedTokens``. ``hf`` (``HFMapping``) is what ``fmoe export-hf`` / ``import-hf`` need; a
+family without it trains and checkpoints, and refuses export by name.
+
+Also here: the helpers families share to read a Hugging Face config.json without trusting a key
+it does not know (``check_hf_fields``, ``checked_kwargs``, ``aliased_field``, ``hf_kwargs``) and
+to read tensors (``check_shape``, ``refuse_surplus``, ``stack_hub_experts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from fmoe.stages.spec import Model, Params
+from torch import Tensor
+
+# fmoe's own families: registered name -> the module that exposes its FAMILY
+BUILTIN_FAMILIES: dict[str, str] = {
+    "qwen3_moe": "fmoe.stages.qwen3_moe",
+    "deepseek_v2": "fmoe.stages.deepseek_v2",
+    "gpt_oss": "fmoe.stages.gpt_oss",
+}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The sizes fmoe's runtime checks a recipe against.
+
+    vocab_size: token ids must be below it; num_layers: transformer layers (pipeline placement);
+    num_experts: routed experts per MoE layer (0: none; expert parallelism splits them);
+    max_positions: the longest sequence the model takes (None: no limit), set by the config field
+    ``max_positions_field`` (named in errors).
+    """
+
+    vocab_size: int
+    num_layers: int
+    num_experts: int = 0
+    max_positions: int | None = None
+    max_positions_field: str = "max_position_embeddings"
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """How a family's checkpoints map to Hugging Face's (``fmoe.hf`` writes and reads the files).
+
+    architecture / model_type: config.json's ``architectures[0]`` and ``model_type``.
+    honoured_fields: config.json keys the import sets or checks a config field from; pinned_fields:
+    keys accepted only at the listed values (the math fmoe implements); metadata_fields: keys that
+    change nothing the model computes. Any other key is refused by ``config_from_hf``.
+    to_hf(cfg, params) -> HF tensors; from_hf(cfg, tensors) -> params (KeyError naming a missing
+    tensor, ValueError naming a misshapen or surplus one); hf_config(cfg) -> config.json dict;
+    config_from_hf(config.json dict) -> cfg (ValueError naming the key).
+    """
+
+    architecture: str
+    model_type: str
+    honoured_fields: frozenset[str]
+    pinned_fields: Mapping[str, tuple]
+    metadata_fields: frozenset[str]
+    to_hf: Callable[[Any, Params], dict[str, Tensor]]
+    from_hf: Callable[[Any, Params], dict[str, Tensor]]
+    hf_config: Callable[[Any], dict]
+    config_from_hf: Callable[[Mapping], Any]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family, as fmoe's runtime uses it.
+
+    name: how recipes and checkpoints name it (a ``BUILTIN_FAMILIES`` key, or its module's path).
+    config_class: the frozen dataclass of its config (a recipe's [model] table, field by field).
+    param_shapes(cfg) -> {global name: shape}, every parameter in a stable order.
+    init_params(cfg, seed=0, dtype=float32, device="cpu") -> params, seeded per name.
+    build(cfg) -> spec.Model: the stages in forward order, each with its role.
+    logits(cfg, params, tokens [b,s], positions=None) -> [b,s,V]: plain forward (inference, parity).
+    train_flops_per_token(cfg, seq) -> model FLOPs per trained token (what MFU divides by).
+    sizes(cfg) -> ModelSizes: vocabulary, layers, experts, longest sequence.
+    hf: the Hugging Face mapping, or None (export / import refused, naming the family).
+    supports_context_parallel: its attention and losses run sequence-sharded (parallel.cp > 1).
+    """
+
+    name: str
+    config_class: type
+    param_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
+    init_params: Callable[..., dict[str, Tensor]]
+    build: Callable[[Any], Model]
+    logits: Callable[..., Tensor]
+    train_flops_per_token: Callable[[Any, int], float]
+    sizes: Callable[[Any], ModelSizes]
+    hf: HFMapping | None = None
+    supports_context_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.config_class, type) and dataclasses.is_dataclass(self.config_class)):
+            raise TypeError(
+                f"Family {self.name!r}: config_class must be a dataclass, got {self.config_class!r}"
+            )
+
+    def hf_mapping(self) -> HFMapping:
+        if self.hf is None:
+            raise ValueError(
+                f"model family {self.name!r} has no Hugging Face mapping (its Family.hf is None)"
+            )
+        return self.hf
+
+    # the Hugging Face conversions (ValueError naming the family when it has none)
+    def to_hf(self, cfg: Any, params: Params) -> dict[str, Tensor]:
+        return self.hf_mapping().to_hf(cfg, params)
+
+    def from_hf(self, cfg: Any, tensors: Params) -> dict[str, Tensor]:
+        return self.hf_mapping().from_hf(cfg, tensors)
+
+    def hf_config(self, cfg: Any) -> dict:
+        return self.hf_mapping().hf_config(cfg)
+
+    def config_from_hf(self, hf: Mapping) -> Any:
+        return self.hf_mapping().config_from_hf(hf)
+
+
+def lookup(name: str) -> Family:
+    """The family a recipe or checkpoint names: a ``BUILTIN_FAMILIES`` key, or the import path of a
+    module exposing ``FAMILY`` (a ``Family``). ValueError (one line, naming ``name``) otherwise."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model family must be a non-empty string, got {name!r}")
+    path = BUILTIN_FAMILIES.get(name, name)
+    try:
+        module = importlib.import_module(path)
+    except ImportError as e:
+        raise ValueError(
+            f"unknown model family {name!r}: not one of {sorted(BUILTIN_FAMILIES)} and not an importable "
+            f"module ({e})"
+        ) from None
+    family = vars(module).get("FAMILY")
+    if not isinstance(family, Family):
+        raise ValueError(
+            f"model family {name!r}: module {module.__name__} has no FAMILY (a fmoe.stages.family.Family)"
+        )
+    return family
+
+
+# ----------------------------------------------------------------------------------------------
+# reading a Hugging Face config.json: every key honoured, pinned or metadata; nothing guessed
+
+# metadata every family's config.json may carry: names, versions, storage dtype, special-token ids
+# (pad_token_id only sets nn.Embedding's padding_idx, i.e. that row's init), generation/output flags,
+# and transformers' bookkeeping of where the config came from
+HF_COMMON_METADATA_FIELDS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_name_or_path",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "output_router_logits",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+# buffers some checkpoints carry that the config fully determines (recomputed, never read)
+HF_DERIVED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def check_hf_fields(
+    hf: Mapping, family: str, honoured: frozenset, pinned: Mapping[str, tuple], metadata: frozenset
+) -> None:
+    """Refuse (ValueError, one line, the key named) a config.json key that is neither honoured nor
+    metadata, or a pinned key at a value outside its accepted ones."""
+    for key, value in hf.items():
+        if key in pinned:
+            if not any(_same_value(value, ok) for ok in pinned[key]):
+                accepted = " or ".join(json.dumps(ok) for ok in pinned[key])
+                raise ValueError(
+                    f"config.json field {key!r} = {json.dumps(value)} is not supported by fmoe's {family} "
+                    f"(supported: {accepted})"
+                )
+        elif key not in honoured and key not in metadata:
+            raise ValueError(
+                f"config.json field {key!r} is unknown to fmoe's {family} import: refusing rather than "
+                "ignoring what it may change"
+            )
+
+
+def _same_value(value, ok) -> bool:
+    if isinstance(value, bool) or isinstance(ok, bool):
+        return isinstance(value, bool) and isinstance(ok, bool) and value == ok
+    return type(value) in (int, float) and type(ok) in (int, float) and value == ok or value == ok
+
+
+def checked_kwargs(cls: type, kwargs: Mapping) -> dict:
+    """``kwargs`` for dataclass ``cls`` with each value's JSON type checked against the field's
+    annotation (a list for a tuple field becomes a tuple); ValueError names the first bad key."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in kwargs.items():
+        hint = hints[key]
+        allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        origins = {typing.get_origin(a) or a for a in allowed}
+        ok = (
+            (value is None and type(None) in origins)
+            or (isinstance(value, bool) and bool in origins)
+            or (type(value) is int and (int in origins or float in origins))
+            or (type(value) is float and float in origins)
+            or (isinstance(value, str) and str in origins)
+            or (isinstance(value, Mapping) and dict in origins)
+            or (
+                isinstance(value, list | tuple)
+                and tuple in origins
+                and all(isinstance(v, int | str) and not isinstance(v, bool) for v in value)
+            )
+        )
+        if not ok:
+            name = getattr(hint, "__name__", None) or str(hint)
+            raise ValueError(f"config.json field {key!r} must be {name}, got {json.dumps(value)}")
+        out[key] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def aliased_field(hf: Mapping, field_name: str, keys: tuple[str, ...]) -> dict:
+    """{field_name: value} from whichever of ``keys`` (names of one quantity) config.json has, {}
+    when none; ValueError when two of them disagree."""
+    found = {k: hf[k] for k in keys if k in hf}
+    if len({json.dumps(v) for v in found.values()}) > 1:
+        raise ValueError(
+            "config.json fields "
+            + " and ".join(f"{k!r} ({json.dumps(v)})" for k, v in found.items())
+            + " disagree"
+        )
+    return {field_name: next(iter(found.values()))} if found else {}
+
+
+def hf_kwargs(
+    hf: Mapping,
+    config_class: type,
+    hf_names: HFMapping,
+    defaults: Mapping[str, Any],
+    not_from_hf: tuple[str, ...],
+    aliases: Mapping[str, tuple[str, ...]] = types.MappingProxyType({}),
+) -> dict:
+    """The config kwargs a config.json gives, before a family's own fix-ups: its keys checked
+    (``check_hf_fields``), ``defaults`` (transformers') for the keys it omits, each config field
+    that shares a key's name, and each ``aliases`` field from whichever of its keys is present.
+    not_from_hf: config fields never read by name (fmoe-only settings, rope fields)."""
+    check_hf_fields(
+        hf, hf_names.model_type, hf_names.honoured_fields, hf_names.pinned_fields, hf_names.metadata_fields
+    )
+    names = {f.name for f in fields(config_class) if f.init and f.name not in not_from_hf}
+    kwargs = dict(defaults)
+    kwargs.update({k: v for k, v in hf.items() if k in names and k not in aliases})
+    for field_name, keys in aliases.items():
+        kwargs.update(aliased_field(hf, field_name, keys))
+    return kwargs
+
+
+def hf_config_fields(cfg: Any, hf_names: HFMapping, not_in_hf: tuple[str, ...]) -> dict:
+    """config.json's common part: every config field but ``not_in_hf`` (tuples as lists), the
+    architecture and model type, and the output flags fmoe's export fixes."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init and f.name not in not_in_hf}
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+    out.update(architectures=[hf_names.architecture], model_type=hf_names.model_type)
+    out.update(output_router_logits=False, use_cache=False)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reading Hugging Face tensors: every tensor read at the shape the config implies, none left over
+
+
+def check_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    """ValueError naming tensor ``name`` when its shape is not ``shape`` (what config.json implies)."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"Hugging Face tensor {name!r} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+        )
+
+
+def need_tensor(tensors: Params, name: str) -> Tensor:
+    """tensors[name]; KeyError naming it when the checkpoint lacks it."""
+    if name not in tensors:
+        raise KeyError(f"Hugging Face checkpoint lacks tensor {name!r}")
+    return tensors[name]
+
+
+def refuse_surplus(tensors: Params, used: set[str], tied: bool) -> None:
+    """ValueError naming a tensor the config has no place for (more experts, layers or weights in
+    the checkpoint than config.json says): importing would silently drop it. Derived buffers
+    (HF_DERIVED_TENSOR_SUFFIXES) pass, and so does a tied ``lm_head.weight`` equal to the embedding."""
+    for name in sorted(set(tensors) - used):
+        if name.endswith(HF_DERIVED_TENSOR_SUFFIXES):
+            continue
+        if (
+            tied
+            and name == "lm_head.weight"
+            and "model.embed_tokens.weight" in used
+            and torch.equal(tensors[name], tensors["model.embed_tokens.weight"])
+        ):
+            continue
+        extra = len(set(tensors) - used) - 1
+        more = f" (and {extra} more)" if extra > 0 else ""
+        raise ValueError(
+            f"Hugging Face tensor {name!r} of shape {tuple(tensors[name].shape)} has no place in the "
+            f"model config.json describes{more}: check its layer/expert counts and tie_word_embeddings"
+        )
+
+
+def hub_expert_names(name: str, num_experts: int) -> list[list[str]] | None:
+    """The hub's per-expert tensor names that stacked expert tensor ``name`` gathers, per expert
+    (``mlp.experts.gate_up_proj``: [gate_proj, up_proj]; ``mlp.experts.down_proj``: [down_proj]);
+    None for any other tensor."""
+    for stacked, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        if name.endswith("mlp.experts." + stacked):
+            pre = name[: -len(stacked)]
+            return [[f"{pre}{e}.{part}.weight" for part in parts] for e in range(num_experts)]
+    return None
+
+
+def unstack_hub_experts(params: Params, skip: frozenset[str] = frozenset()) -> dict[str, Tensor]:
+    """fmoe params -> the hub's tensors: stacked ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows
+    first) and ``down_proj`` [E, H, I] split into one gate/up/down weight per expert; the rest as
+    they are; ``skip``: params the hub's checkpoints do not hold (fmoe training buffers)."""
+    out: dict[str, Tensor] = {}
+    for name, t in params.items():
+        if name in skip:
+            continue
+        per_expert = hub_expert_names(name, t.shape[0])
+        if per_expert is None:
+            out[name] = t
+            continue
+        for e, names in enumerate(per_expert):
+            for part, rows in zip(names, t[e].chunk(len(names))):
+                out[part] = rows
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def stack_hub_experts(
+    shapes: Mapping[str, tuple[int, ...]],
+    num_experts: int,
+    tensors: Params,
+    tied: bool = False,
+    absent_buffers: frozenset[str] = frozenset(),
+) -> dict[str, Tensor]:
+    """fmoe params named in ``shapes`` from HF tensors: stacked expert weights built from the hub's
+    per-expert ``experts.{e}.gate_proj/up_proj/down_proj`` when not already stacked. Every tensor
+    read is checked against the shape ``shapes`` implies; a tensor left unread is refused
+    (``refuse_surplus``). absent_buffers: params a checkpoint may lack (fmoe training buffers,
+    e.g. a router bias), then zeros in float32."""
+    params: dict[str, Tensor] = {}
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...]) -> Tensor:
+        t = need_tensor(tensors, name)
+        check_shape(name, t, shape)
+        used.add(name)
+        return t
+
+    for name, shape in shapes.items():
+        per_expert = hub_expert_names(name, num_experts)
+        if name in tensors:
+            params[name] = take(name, shape)
+        elif name in absent_buffers:
+            params[name] = torch.zeros(shape, dtype=torch.float32)
+        elif per_expert is not None:
+            rows = shape[1] // len(per_expert[0])
+            params[name] = torch.stack(
+                [torch.cat([take(n, (rows, *shape[2:])) for n in names]) for names in per_expert]
+            )
+        else:
+            take(name, shape)
+    refuse_surplus(tensors, used, tied)
+    return params

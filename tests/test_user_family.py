@@ -100,6 +100,27 @@ def test_the_readme_family_stages_b_and_w_equal_autograd_in_float64(user_folder)
     assert my_gpt.FAMILY is family
 
 
+def test_the_readme_family_checks_its_config_and_counts_the_weights_a_token_touches(user_folder):
+    from fmoe.stages.family import lookup
+
+    family = lookup("my_gpt")
+    with pytest.raises(ValueError, match="n_embd"):
+        family.config_class(n_embd=30, n_head=4)
+    cfg = family.config_class(n_layer=3, n_embd=32, n_head=4, n_expert=8, top_k=2, expert_hidden=48)
+    # 6 x the weights one token's GEMMs read (the embedding tables are lookups, norms are not GEMMs;
+    # of each layer's experts a token reads top_k of n_expert), plus 6 x the causal score and value
+    # GEMMs (2 x 2 x C x seq/2 per layer forward, x3 with the backward)
+    touched = 0.0
+    for name, shape in family.param_shapes(cfg).items():
+        if len(shape) < 2 or name in ("model.embed_tokens.weight", "model.wpe.weight"):
+            continue
+        share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
+        touched += share * torch.Size(shape).numel()
+    seq = 64
+    expected = 6 * touched + 6 * cfg.n_layer * cfg.n_embd * seq
+    assert family.train_flops_per_token(cfg, seq) == pytest.approx(expected, rel=1e-12)
+
+
 def read_losses(log_dir: Path) -> list[float]:
     """The losses a run logged to its metrics.jsonl, in step order."""
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]

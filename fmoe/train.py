@@ -426,7 +426,7 @@ def _train(
     dataset = data.TokenDataset(ensure_dataset(recipe))
     seq, global_batch = recipe.data.seq_len, recipe.train.global_batch
     try:
-        data.check_vocab(dataset, cfg.vocab_size)
+        data.check_vocab(dataset, fam.sizes(cfg).vocab_size)
         data.check_size(dataset, steps=recipe.train.steps, global_batch=global_batch, seq=seq)
     except ValueError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None

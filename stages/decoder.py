@@ -22,10 +22,11 @@ its ``Stage.role``:
   head       (h, labels)         -> (loss,)
 ``h1`` is the residual after attention; ``x`` the post-attention-normed tokens the experts read. A
 dispatch stage's first four inputs are ``spec.RoutedTokens``. Parameter names: the embedding
-``model.embed_tokens.weight``; per layer under ``model.layers.{l}.``, ``input_layernorm.weight``,
-the family's attention parameters, ``post_attention_layernorm.weight``, then the router's, the
+``model.embed_tokens.weight`` (or the family's ``embed_shapes``); per layer under
+``model.layers.{l}.``, ``input_layernorm.*``, the family's attention parameters,
+``post_attention_layernorm.*``, then the router's, the
 experts' (stacked [E, ...] under ``mlp.experts.``, sharded over ep on dim 0) and the shared
-experts', or the dense MLP's; ``model.norm.weight`` and ``lm_head.weight`` (absent when tied).
+experts', or the dense MLP's; ``model.norm.*`` and ``lm_head.weight`` (absent when tied).
 
 With ``DecoderDims.router_bias`` the router has an aux-loss-free balancing bias (DeepSeek-V3's
 ``e_score_correction_bias``): a buffer, not trained, kept in float32. With a
@@ -122,6 +123,20 @@ def swiglu_experts(cfg: Any, p: Params, x: Tensor, offs: Tensor) -> Tensor:
     return layers.expert_mlp(x, p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"], offs)
 
 
+def rms_norm(x: Tensor, p: Params, name: str, eps: float) -> Tensor:
+    """``MoEDecoder.norm`` default: RMSNorm with weight ``{name}.weight``."""
+    return layers.rms_norm(x, p[f"{name}.weight"], eps)
+
+
+def rms_norm_shapes(name: str, hidden: int) -> Shapes:
+    return {f"{name}.weight": (hidden,)}
+
+
+def token_embedding(cfg: Any, p: Params, tokens: Tensor) -> Tensor:
+    """``MoEDecoder.embed`` default: tokens [b,s] int64 -> h [b,s,H] from ``model.embed_tokens.weight``."""
+    return F.embedding(tokens, p[EMBED])
+
+
 def default_init(name: str) -> str:
     """How a parameter starts, by its Hugging Face name: "ones" for norm weights, "zeros" for
     biases, else "normal" (N(0, init_std))."""
@@ -147,7 +162,11 @@ class MoEDecoder:
       rank's experts; expert_shapes(cfg): stacked [E, ...] tensors under "mlp.experts.".
     shared_experts(cfg, p, x [T,H]) -> [T,H] or None (no shared experts); shared_shapes(cfg).
     dense_mlp(cfg, p, x [T,H]) -> [T,H] for the layers not in dims.moe_layers; dense_shapes(cfg).
-    norm(x, weight, eps): the residual norms and the final norm (RMSNorm by default).
+    norm(x, p, name, eps): the residual norms ("input_layernorm", "post_attention_layernorm" of each
+      layer) and the final one ("model.norm"), reading its parameters ``norm_shapes(name, H)``
+      under ``name`` (RMSNorm with ``{name}.weight`` by default; a LayerNorm adds ``{name}.bias``).
+    embed(cfg, p, *batch fields ``embed_inputs``) -> h [b,s,H]; embed_shapes(cfg): its parameters
+      (default: ``token_embedding``, reading ``tokens`` only; learned positions read "positions" too).
     init(name) -> "ones" | "zeros" | "normal": how each parameter starts (``default_init``).
     """
 
@@ -162,7 +181,11 @@ class MoEDecoder:
     shared_shapes: Callable[[Any], Shapes] = _no_params
     dense_mlp: Callable[[Any, Params, Tensor], Tensor] | None = None
     dense_shapes: Callable[[Any], Shapes] = _no_params
-    norm: Callable[[Tensor, Tensor, float], Tensor] = layers.rms_norm
+    norm: Callable[[Tensor, Params, str, float], Tensor] = rms_norm
+    norm_shapes: Callable[[str, int], Shapes] = rms_norm_shapes
+    embed: Callable[..., Tensor] = token_embedding
+    embed_shapes: Callable[[Any], Shapes] | None = None
+    embed_inputs: tuple[str, ...] = ("tokens",)
     init: Callable[[str], str] = default_init
 
     # ------------------------------------------------------------------------------------------
@@ -172,8 +195,8 @@ class MoEDecoder:
         """(attn stage's, mlp stage's) local parameter shapes of one layer, in order."""
         d = self.dims(cfg)
         H = d.hidden_size
-        attn = {"input_layernorm.weight": (H,), **self.attention_shapes(cfg, layer)}
-        attn["post_attention_layernorm.weight"] = (H,)
+        attn = {**self.norm_shapes("input_layernorm", H), **self.attention_shapes(cfg, layer)}
+        attn.update(self.norm_shapes("post_attention_layernorm", H))
         if not d.is_moe_layer(layer):
             return attn, dict(self.dense_shapes(cfg))
         attn.update(self.router_shapes(cfg))
@@ -182,14 +205,21 @@ class MoEDecoder:
     def param_shapes(self, cfg: Any) -> Shapes:
         """Every parameter's global name and shape, in a stable order."""
         d = self.dims(cfg)
-        shapes: Shapes = {EMBED: (d.vocab_size, d.hidden_size)}
+        shapes = self.embedding_shapes(cfg)
         for i in range(d.num_layers):
             for part in self.layer_shapes(cfg, i):
                 shapes.update({f"model.layers.{i}.{n}": s for n, s in part.items()})
-        shapes["model.norm.weight"] = (d.hidden_size,)
+        shapes.update(self.norm_shapes("model.norm", d.hidden_size))
         if not d.tie_word_embeddings:
             shapes["lm_head.weight"] = (d.vocab_size, d.hidden_size)
         return shapes
+
+    def embedding_shapes(self, cfg: Any) -> Shapes:
+        """The embed stage's parameters (``model.embed_tokens.weight`` [V, H] unless embed_shapes says)."""
+        if self.embed_shapes is not None:
+            return dict(self.embed_shapes(cfg))
+        d = self.dims(cfg)
+        return {EMBED: (d.vocab_size, d.hidden_size)}
 
     def buffers(self, cfg: Any) -> tuple[str, ...]:
         """The router-bias buffers' global names (never trained; float32)."""
@@ -233,7 +263,16 @@ class MoEDecoder:
         if self.dense_mlp is None and len(d.moe_layers) < d.num_layers:
             raise ValueError(f"{type(cfg).__name__}: dense layers need the family's dense_mlp")
         part = functools.partial
-        stages = [Stage("embed", embed, (EMBED,), batch_inputs=("tokens",), role="embed")]
+        embed_params = tuple(self.embedding_shapes(cfg))
+        stages = [
+            Stage(
+                "embed",
+                part(embed_stage, self, cfg),
+                embed_params,
+                batch_inputs=self.embed_inputs,
+                role="embed",
+            )
+        ]
         layer_of = [-1]
         aux_weight = d.aux_loss_coef / max(len(d.moe_layers), 1)
         biased = d.router_bias is not None and d.router_bias_rate > 0
@@ -266,7 +305,10 @@ class MoEDecoder:
                 ]
             stages += layer
             layer_of += [i] * len(layer)
-        head_params = ("model.norm.weight", EMBED if d.tie_word_embeddings else "lm_head.weight")
+        head_params = (
+            *self.norm_shapes("model.norm", d.hidden_size),
+            EMBED if d.tie_word_embeddings else "lm_head.weight",
+        )
         stages.append(
             Stage("head", part(head_stage, self, d), head_params, batch_inputs=("labels",), losses=(1.0,),
                   role="head")
@@ -326,10 +368,9 @@ def router_bias_updates(rate: float, statistics: Mapping[str, Tensor]) -> dict[s
 # stage functions: pure, over a params dict with the layer prefix stripped
 
 
-def embed(p: Params, inputs: tuple[Tensor, ...], ctx: StageContext) -> tuple[Tensor, ...]:
-    """(tokens [b,s] int64) -> (h [b,s,H])."""
-    (tokens,) = inputs
-    return (F.embedding(tokens, p[EMBED]),)
+def embed_stage(dec: MoEDecoder, cfg: Any, p: Params, inputs: tuple, ctx: StageContext) -> tuple[Tensor]:
+    """(tokens [b,s] int64, *the other embed_inputs) -> (h [b,s,H])."""
+    return (dec.embed(cfg, p, *inputs),)
 
 
 def attn_stage(
@@ -349,10 +390,8 @@ def attn_stage(
                                        dense: (h1, x [T,H])
     """
     h, positions = inputs
-    h1 = h + dec.attention(
-        cfg, layer, p, dec.norm(h, p["input_layernorm.weight"], d.norm_eps), positions, ctx
-    )
-    x = dec.norm(h1, p["post_attention_layernorm.weight"], d.norm_eps).reshape(-1, d.hidden_size)
+    h1 = h + dec.attention(cfg, layer, p, dec.norm(h, p, "input_layernorm", d.norm_eps), positions, ctx)
+    x = dec.norm(h1, p, "post_attention_layernorm", d.norm_eps).reshape(-1, d.hidden_size)
     if not moe:
         return h1, x
     probs, w, ids = dec.router(cfg, p, x)
@@ -439,7 +478,7 @@ def dense_aggregate_stage(p: Params, inputs: tuple, ctx: StageContext) -> tuple[
 def head_logits(dec: MoEDecoder, d: DecoderDims, p: Params, h: Tensor) -> Tensor:
     """Final norm and LM head: h [b,s,H] -> logits [b,s,V]."""
     lm_head = p[EMBED] if d.tie_word_embeddings else p["lm_head.weight"]
-    return linear(dec.norm(h, p["model.norm.weight"], d.norm_eps), lm_head, fp8=False)
+    return linear(dec.norm(h, p, "model.norm", d.norm_eps), lm_head, fp8=False)
 
 
 def head_stage(dec: MoEDecoder, d: DecoderDims, p: Params, inputs: tuple, ctx: StageContext) -> tuple[Tensor]:

@@ -82,34 +82,17 @@ class DeepseekV2Config:
         name = type(self).__name__
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "n_routed_experts",
-            "num_experts_per_tok",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "moe_intermediate_size",
-            "intermediate_size",
-            "max_position_embeddings",
-            "rope_theta",
-        )
-        for f in positive:
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{name}.{f} must be > 0, got {getattr(self, f)}")
-        for f in ("n_shared_experts", "first_k_dense_replace", "aux_loss_alpha", "rms_norm_eps"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{name}.{f} must be >= 0, got {getattr(self, f)}")
+        fam.check_fields(
+            self, non_negative=("n_shared_experts", "first_k_dense_replace", "aux_loss_alpha", "rms_norm_eps"),
+            positive=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+                      "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "moe_intermediate_size", "intermediate_size", "max_position_embeddings", "rope_theta"),
+            positive_or_none=("q_lora_rank", "moe_capacity_factor"),
+        )  # fmt: skip
         if self.qk_rope_head_dim % 2:
             raise ValueError(
                 f"{name}.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}"
             )
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ValueError(f"{name}.q_lora_rank must be > 0 or None, got {self.q_lora_rank}")
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(
                 f"{name}.num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
@@ -120,11 +103,7 @@ class DeepseekV2Config:
                 f"{name}: num_attention_heads ({self.num_attention_heads}) must divide hidden_size "
                 f"({self.hidden_size}), as transformers requires"
             )
-        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
-            raise ValueError(
-                f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
-                f"n_routed_experts ({self.n_routed_experts})"
-            )
+        fam.check_top_k(self, "num_experts_per_tok", "n_routed_experts")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"{name}.topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
         if self.topk_method == "group_limited_greedy":
@@ -149,16 +128,12 @@ class DeepseekV2Config:
                 f"{name}.norm_topk_prob must be false: transformers' DeepseekV2 never renormalises the "
                 "top-k weights (the released V2 / V2-Lite configs have it false)"
             )
-        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-            raise ValueError(
-                f"{name}.moe_capacity_factor must be > 0 or None, got {self.moe_capacity_factor}"
-            )
         object.__setattr__(
             self, "rope_scaling", rotary.check_rope_scaling(self.rope_scaling, f"{name}.rope_scaling")
         )
 
     @property
-    def num_experts(self) -> int:  # the name fmoe's shared MoE stages read
+    def num_experts(self) -> int:  # transformers' alias
         return self.n_routed_experts
 
     @property
@@ -167,10 +142,6 @@ class DeepseekV2Config:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
     def softmax_scale(self) -> float:
@@ -306,12 +277,9 @@ DECODER = decoder.MoEDecoder(
     shared_experts=shared_experts, shared_shapes=shared_shapes, dense_mlp=decoder.dense_swiglu,
     dense_shapes=dense_shapes,
 )  # fmt: skip
-build, init_params, param_shapes, logits = (
-    DECODER.build,
-    DECODER.init_params,
-    DECODER.param_shapes,
-    DECODER.logits,
-)
+# the family's functions under their usual names
+build, init_params, param_shapes = DECODER.build, DECODER.init_params, DECODER.param_shapes
+logits = DECODER.logits
 
 
 def train_flops_per_token(cfg: DeepseekV2Config, seq: int) -> float:

@@ -13,34 +13,36 @@ combine / aggregate / head stages with their roles, parameter shapes, seeded ini
 
     # mypkg/my_family.py
     from dataclasses import dataclass
-    from fmoe.stages import layers
-    from fmoe.stages.decoder import DecoderDims, MoEDecoder, gated_mlp_shapes
-    from fmoe.stages.family import Family
+    from fmoe.stages import decoder, layers
+    from fmoe.stages.family import HFMapping   # only to export / import Hugging Face checkpoints
 
     @dataclass(frozen=True)
-    class MyConfig:            # frozen dataclass; the recipe's [model] table fills it
-        vocab_size: int = 256
-        hidden_size: int = 32
-        num_hidden_layers: int = 2
-        num_experts: int = 4
-        num_experts_per_tok: int = 2
-        moe_intermediate_size: int = 16
+    class MyConfig:            # frozen dataclass; the recipe's [model] table fills it, field by field
+        vocab: int = 256
+        width: int = 32
+        depth: int = 2
+        experts: int = 4
+        top: int = 2
+        ffn: int = 16
 
     def dims(cfg):             # the sizes the builder reads, under the builder's names
-        return DecoderDims(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                           num_layers=cfg.num_hidden_layers, moe_layers=tuple(range(cfg.num_hidden_layers)),
-                           num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok)
+        return decoder.DecoderDims(vocab_size=cfg.vocab, hidden_size=cfg.width, num_layers=cfg.depth,
+                                   moe_layers=tuple(range(cfg.depth)), num_experts=cfg.experts, top_k=cfg.top)
 
     def attention(cfg, layer, p, x, positions, ctx): ...   # x [b,s,H] normed -> [b,s,H]
     def attention_shapes(cfg, layer): ...                   # {"self_attn.q_proj.weight": (..), ...}
-    def router(cfg, p, x): ...                              # x [T,H] -> (probs [T,E], weights [T,k], ids [T,k])
-    def router_shapes(cfg): return {"mlp.gate.weight": (cfg.num_experts, cfg.hidden_size)}
-    def experts(cfg, p, x, offs): return layers.expert_mlp(x, p["mlp.experts.gate_up_proj"],
-                                                           p["mlp.experts.down_proj"], offs)
-    def expert_shapes(cfg): ...                             # stacked [E, ...] under "mlp.experts."
+    def router(cfg, p, x):                                  # x [T,H] -> (probs [T,E], weights [T,k], ids [T,k])
+        return layers.top_k_router(x, p["mlp.gate.weight"], cfg.top, True)
+    def router_shapes(cfg): return {"mlp.gate.weight": (cfg.experts, cfg.width)}
+    def expert_shapes(cfg): return decoder.swiglu_expert_shapes(cfg.experts, cfg.width, cfg.ffn)
 
-    DECODER = MoEDecoder(dims, attention, attention_shapes, router, router_shapes, experts, expert_shapes)
+    DECODER = decoder.MoEDecoder(dims, attention, attention_shapes, router, router_shapes,
+                                 decoder.swiglu_experts, expert_shapes)
     FAMILY = DECODER.family("my_family", MyConfig, train_flops_per_token=my_flops)
+
+and a recipe says ``[model] family = "mypkg.my_family"``. Optional hooks of ``MoEDecoder``: shared
+experts, dense layers, the norm (LayerNorm with a bias, ...), the embedding (learned positions),
+how each parameter starts. tests/test_family.py holds a complete one.
 
 A family that is no decoder fills ``Family`` itself: ``build(cfg)`` returns a ``spec.Model`` whose
 stages carry their ``role`` (``spec.ROLES``); a "dispatch" stage's inputs start with
@@ -189,6 +191,39 @@ def lookup(name: str) -> Family:
             f"model family {name!r}: module {module.__name__} has no FAMILY (a fmoe.stages.family.Family)"
         )
     return family
+
+
+# ----------------------------------------------------------------------------------------------
+# checks a family's config makes on construction (errors name ``Class.field``)
+
+
+def check_fields(
+    cfg: Any,
+    positive: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+    positive_or_none: tuple[str, ...] = (),
+) -> None:
+    """ValueError naming the first of ``cfg``'s fields outside its range (non-negative ones first)."""
+    name = type(cfg).__name__
+    for field_name in non_negative:
+        if not getattr(cfg, field_name) >= 0:
+            raise ValueError(f"{name}.{field_name} must be >= 0, got {getattr(cfg, field_name)}")
+    for field_name in positive:
+        if not getattr(cfg, field_name) > 0:
+            raise ValueError(f"{name}.{field_name} must be > 0, got {getattr(cfg, field_name)}")
+    for field_name in positive_or_none:
+        value = getattr(cfg, field_name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name}.{field_name} must be > 0 or None, got {value}")
+
+
+def check_top_k(cfg: Any, top_k_field: str, experts_field: str) -> None:
+    """ValueError unless 1 <= top-k <= experts (each field named as ``cfg`` names it)."""
+    top_k, experts = getattr(cfg, top_k_field), getattr(cfg, experts_field)
+    if not 1 <= top_k <= experts:
+        raise ValueError(
+            f"{type(cfg).__name__}.{top_k_field} ({top_k}) must be between 1 and {experts_field} ({experts})"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -77,26 +77,13 @@ class GptOssConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
-        positive = (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_local_experts",
-            "num_experts_per_tok",
-            "swiglu_limit",
-            "max_position_embeddings",
-            "rope_theta",
-        )
-        for f in positive:
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{name}.{f} must be > 0, got {getattr(self, f)}")
-        for f in ("router_aux_loss_coef", "rms_norm_eps"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{name}.{f} must be >= 0, got {getattr(self, f)}")
+        fam.check_fields(
+            self, non_negative=("router_aux_loss_coef", "rms_norm_eps"),
+            positive=("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "swiglu_limit",
+                      "max_position_embeddings", "rope_theta"),
+            positive_or_none=("sliding_window", "moe_capacity_factor"),
+        )  # fmt: skip
         if self.head_dim % 2:
             raise ValueError(f"{name}.head_dim must be even (rotary halves), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -104,13 +91,7 @@ class GptOssConfig:
                 f"{name}: num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
-            raise ValueError(
-                f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
-                f"num_local_experts ({self.num_local_experts})"
-            )
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"{name}.sliding_window must be > 0 or None, got {self.sliding_window}")
+        fam.check_top_k(self, "num_experts_per_tok", "num_local_experts")
         types = self.layer_types
         if types is None:
             types = tuple(LAYER_TYPES[i % 2] for i in range(self.num_hidden_layers))
@@ -125,28 +106,17 @@ class GptOssConfig:
         if "sliding_attention" in types and self.sliding_window is None:
             raise ValueError(f"{name}.sliding_window must be set when layer_types has 'sliding_attention'")
         object.__setattr__(self, "layer_types", types)
-        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-            raise ValueError(
-                f"{name}.moe_capacity_factor must be > 0 or None, got {self.moe_capacity_factor}"
-            )
         object.__setattr__(
             self, "rope_scaling", rotary.check_rope_scaling(self.rope_scaling, f"{name}.rope_scaling")
         )
 
     @property
-    def num_experts(self) -> int:  # the name fmoe's shared MoE stages read
+    def num_experts(self) -> int:  # transformers' alias
         return self.num_local_experts
 
     def window(self, layer: int) -> int | None:
         """The layer's attention window in keys (None: full causal)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_hidden_layers
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return True
 
 
 def dims(cfg: GptOssConfig) -> decoder.DecoderDims:
@@ -303,15 +273,17 @@ def expert_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def norm(x: Tensor, p: Params, name: str, eps: float) -> Tensor:
+    """``MoEDecoder.norm``: GPT-OSS's RMSNorm with weight ``{name}.weight``."""
+    return rms_norm(x, p[f"{name}.weight"], eps)
+
+
 DECODER = decoder.MoEDecoder(
-    dims, attention, attention_shapes, route, router_shapes, experts, expert_shapes, norm=rms_norm
+    dims, attention, attention_shapes, route, router_shapes, experts, expert_shapes, norm=norm
 )
-build, init_params, param_shapes, logits = (
-    DECODER.build,
-    DECODER.init_params,
-    DECODER.param_shapes,
-    DECODER.logits,
-)
+# the family's functions under their usual names
+build, init_params, param_shapes = DECODER.build, DECODER.init_params, DECODER.param_shapes
+logits = DECODER.logits
 
 
 def causal_keys(seq: int, window: int | None) -> float:

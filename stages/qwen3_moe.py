@@ -59,23 +59,18 @@ class Qwen3MoeConfig:
         object.__setattr__(
             self, "rope_scaling", rotary.check_rope_scaling(self.rope_scaling, "Qwen3MoeConfig.rope_scaling")
         )
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("head_dim", "mlp_only_layers", "moe_capacity_factor", "rope_scaling") or isinstance(
-                value, bool
-            ):
-                continue
-            if isinstance(value, int | float) and value < 0:
-                raise ValueError(f"Qwen3MoeConfig.{f.name} must be >= 0, got {value}")
-        positive = (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "num_experts", "moe_intermediate_size", "intermediate_size", "max_position_embeddings", "rope_theta",
+        non_negative = tuple(
+            f.name
+            for f in fields(self)
+            if type(getattr(self, f.name)) in (int, float)
+            and f.name not in ("head_dim", "moe_capacity_factor")
+        )
+        F.check_fields(
+            self, non_negative=non_negative, positive_or_none=("head_dim", "moe_capacity_factor"),
+            positive=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "num_experts", "moe_intermediate_size", "intermediate_size", "max_position_embeddings",
+                      "rope_theta"),
         )  # fmt: skip
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Qwen3MoeConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.head_dim is not None and self.head_dim <= 0:
-            raise ValueError(f"Qwen3MoeConfig.head_dim must be > 0 or None, got {self.head_dim}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"Qwen3MoeConfig: num_attention_heads ({self.num_attention_heads}) must divide "
@@ -86,15 +81,7 @@ class Qwen3MoeConfig:
                 f"Qwen3MoeConfig: num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"Qwen3MoeConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
-                f"num_experts ({self.num_experts})"
-            )
-        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
-            raise ValueError(
-                f"Qwen3MoeConfig.moe_capacity_factor must be > 0 or None, got {self.moe_capacity_factor}"
-            )
+        F.check_top_k(self, "num_experts_per_tok", "num_experts")
         if self.decoder_sparse_step < 1:
             raise ValueError(
                 f"Qwen3MoeConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
@@ -111,10 +98,6 @@ class Qwen3MoeConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
 
 # the aux-loss-free balancing bias of a MoE layer (a buffer: never trained, see the module docstring)
@@ -192,12 +175,9 @@ DECODER = decoder.MoEDecoder(
     dims, attention, attention_shapes, router, router_shapes, decoder.swiglu_experts, expert_shapes,
     dense_mlp=decoder.dense_swiglu, dense_shapes=dense_shapes,
 )  # fmt: skip
-build, init_params, param_shapes, logits = (
-    DECODER.build,
-    DECODER.init_params,
-    DECODER.param_shapes,
-    DECODER.logits,
-)
+# the family's functions under their usual names
+build, init_params, param_shapes = DECODER.build, DECODER.init_params, DECODER.param_shapes
+logits = DECODER.logits
 
 
 def train_flops_per_token(cfg: Qwen3MoeConfig, seq: int) -> float:

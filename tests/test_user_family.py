@@ -112,7 +112,7 @@ def test_the_readme_family_checks_its_config_and_counts_the_weights_a_token_touc
     # GEMMs (2 x 2 x C x seq/2 per layer forward, x3 with the backward)
     touched = 0.0
     for name, shape in family.param_shapes(cfg).items():
-        if len(shape) < 2 or name in ("model.embed_tokens.weight", "model.wpe.weight"):
+        if len(shape) < 2 or name in ("model.wte.weight", "model.wpe.weight"):
             continue
         share = cfg.top_k / cfg.n_expert if ".mlp.experts." in name else 1.0
         touched += share * torch.Size(shape).numel()
@@ -141,7 +141,7 @@ def this_pythons_torchrun(folder: Path) -> Path:
 def test_the_readme_family_trains_on_one_and_two_pipeline_ranks_and_export_is_refused_by_name(
     user_folder, tmp_path_factory
 ):
-    from fmoe import checkpoint
+    from fmoe import checkpoint, recipe
 
     commands = [
         line.strip()
@@ -174,6 +174,13 @@ def test_the_readme_family_trains_on_one_and_two_pipeline_ranks_and_export_is_re
     assert set(params_two) == set(params_one) and "model.wpe.weight" in params_one
     for name, p in params_one.items():
         assert relative_error(params_two[name], p) <= 1e-5, name
+    # the checkpoint runs outside the trainer, as the README says
+    from fmoe.stages.family import lookup
+
+    cfg = recipe.load(user_folder / "my_gpt.toml").model
+    tokens = torch.arange(16).view(1, 16)
+    logits = lookup("my_gpt").logits(cfg, params_one, tokens)
+    assert logits.shape == (1, 16, cfg.vocab_size) and torch.isfinite(logits).all()
 
     # export: refused with one line naming the family, exit 2, nothing written
     _, export = ran[2]

@@ -212,10 +212,10 @@ ACTIVATION_FORMULAS = {
 }
 
 
-def _attention_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
+def _attention_bytes(family: str, cfg, mb: MicroBatch, moe: bool, experts: int) -> float:
     """Saved bytes of one attn stage per micro-batch (norms, projections, rotary, attention, router)."""
     e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
-    k, experts = cfg.num_experts_per_tok, cfg.num_experts
+    k = cfg.num_experts_per_tok
     # the router: its input (the post-attention norm's output), logits, top-k weights and ids
     router = (e * (h + experts + k + 1) + INT64 * k) if moe else 0
     if family == "deepseek_v2":
@@ -257,7 +257,9 @@ def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
     return t * (routed + shared + k * e * h)
 
 
-def stage_activation_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch) -> float:
+def stage_activation_bytes(
+    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int
+) -> float:
     """Bytes one stage's F keeps alive for its B, for one micro-batch on one rank.
 
     family: the recipe's model family; cfg: its config; moe: whether the stage's layer has routed
@@ -268,7 +270,7 @@ def stage_activation_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroB
     if kind == "embed":
         return t * INT64
     if kind == "attn":
-        return _attention_bytes(family, cfg, mb, moe)
+        return _attention_bytes(family, cfg, mb, moe, num_experts)
     if kind in ("dispatch", "combine"):
         return t * k * INT64  # the slot order
     if kind == "mlp":
@@ -306,7 +308,12 @@ def chunk_activation_bytes(
 ) -> int:
     """Saved activation bytes of one micro-batch through the given model stages."""
     moe = _moe_stages(model)
-    return int(sum(stage_activation_bytes(family, cfg, model.stages[i], i in moe, mb) for i in stage_indices))
+    return int(
+        sum(
+            stage_activation_bytes(family, cfg, model.stages[i], i in moe, mb, model.num_experts)
+            for i in stage_indices
+        )
+    )
 
 
 def backward_transient_bytes(

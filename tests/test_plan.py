@@ -176,7 +176,9 @@ def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outputs, _ = S.forward(stage, params, runner.stage_inputs(stage, carry, batch), StageContext())
         carry, _ = runner.split_outputs(stage, outputs)
-        planned = plan.stage_activation_bytes(recipe.model_family, cfg, stage, i in moe, mb)
+        planned = plan.stage_activation_bytes(
+            recipe.model_family, cfg, stage, i in moe, mb, model.num_experts
+        )
         if stage.role == "mlp" and i in moe:
             # the routed output rows the mlp's Forwarded keeps as its outputs: not a saved tensor
             planned -= mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * cfg.hidden_size

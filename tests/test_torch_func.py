@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
-from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
+from fmoe.stages import deepseek_v2, deepseek_v3, gpt_oss, qwen3_moe
 from fmoe.stages.primitives import grouped_linear, linear
 from fmoe.stages.spec import StageContext
 from test_deepseek_v2 import stage_cases
 from test_deepseek_v2 import tiny as tiny_deepseek_v2
+from test_deepseek_v3 import tiny as tiny_deepseek_v3
 from test_gpt_oss import tiny as tiny_gpt_oss
 from test_gpt_oss import with_random_biases
 
@@ -41,6 +42,10 @@ def family_cases(family: str):
         cfg = tiny_deepseek_v2(n_routed_experts=16, n_group=4, topk_group=2)
         model = deepseek_v2.build(cfg)
         params = model.init(seed=1, dtype=torch.float64)
+    elif family == "deepseek_v3":
+        cfg = tiny_deepseek_v3(n_routed_experts=16)
+        model = deepseek_v3.FAMILY.build(cfg)
+        params = model.init(seed=1, dtype=torch.float64)
     else:
         cfg = tiny_gpt_oss(num_local_experts=16, initializer_range=0.3, sliding_window=2)
         model = gpt_oss.build(cfg)
@@ -48,7 +53,7 @@ def family_cases(family: str):
     return params, stage_cases(model, params, random_batch(cfg, 2, 3))
 
 
-FAMILIES = ("qwen3_moe", "deepseek_v2", "gpt_oss")
+FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 _CASES: dict = {}
 
 
@@ -66,7 +71,7 @@ def stage_names() -> list[tuple[str, str]]:
 def cotangents(stage, outputs):
     """Random cotangents for the carried floating outputs (None for integer ones), seeded."""
     gen = torch.Generator().manual_seed(7)
-    carried = outputs[: len(outputs) - len(stage.losses)]
+    carried = outputs[: stage.num_carried(len(outputs))]  # not the loss terms or statistics
     return [
         torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None for o in carried
     ]

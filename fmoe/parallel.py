@@ -1,14 +1,44 @@
 """One training step on the 4D mesh, with parameters sharded ZeRO-3 style.
 
 Every parameter lives as a flat shard: expert parameters (this ep rank's experts) split over
-``dp_cp``, all others over ``dp_cp_ep``, each padded to a multiple of its group's size. A step
+``dp_cp``, all others over ``dp_cp_ep``, each padded to a multiple of its group's size. A step runs
+the microbatches - the pipeline interpreter when pp > 1, else the micro-batch executor
+(``runner.execute``) - with the ep and cp groups in every StageContext, losses seeded
+1 / microbatches; each gradient is scaled by 1 / (dp x cp x ep) (the step's loss is the mean over
+data ranks) and reduce-scattered over its shard group. When the parameters are gathered is the
+``gather`` policy (recipe field ``parallel.gather``):
 
-  1. all-gathers this rank's parameters (its pipeline chunks' only), asynchronously, once per step;
-  2. runs the microbatches: the pipeline interpreter when pp > 1, else F/B/W stage by stage, with
-     the ep and cp groups in every StageContext; losses are seeded 1 / microbatches;
-  3. scales the gradients by 1 / (dp x cp x ep) (the step's loss is the mean over data ranks) and
-     reduce-scatters them over the shard groups - once per step, after the last W;
-  4. frees the gathered parameters.
+"chunk" (the default wherever a parameter is sharded): per unit, just before its use, prefetched
+one gather point ahead (asynchronous all-gathers), freed after its use; each gradient reduced as
+soon as its last W of the step has run (asynchronously, one unit's reduction in flight while the
+step goes on). A rank's step is a list of executor steps (``GatherPlan``):
+  - pp = 1: the units are the transformer layers (plus the stages before the first and after the
+    last, ``runner.execution_units``), and every microbatch's F and B + W of a layer is a step.
+    Policy: RE-GATHER PER USE. A layer is gathered for each microbatch's F, freed, gathered again
+    for its B + W, freed (consecutive uses share one copy: the last layer's F and B, the first
+    layer's B and the next microbatch's F). Autograd's saved weights keep pointing at the same
+    tensor objects; only their storage is released and re-filled, so a microbatch's graph holds no
+    parameter memory between its F and B. Memory: about two layers' gathered parameters (the one
+    in use and the prefetched one) instead of all; the full gradients still accumulate over the
+    microbatches (the non-expert ones from the first microbatch's W, the expert ones only when
+    their merged GEMM runs at the last), and each layer's is reduced during the last microbatch's
+    backward. Communication: about 2 x microbatches all-gathers of each layer per step (against
+    one), one reduce-scatter (as before). Keeping a layer gathered across microbatches would save
+    nothing: the first microbatch's F would leave every layer gathered until the last B. Reducing
+    every microbatch's gradients would also cut the full gradients to a layer, for microbatches x
+    the reduce-scatter traffic and another summation order; not done.
+  - pp > 1: the units are the rank's pipeline chunks and a step is a row of the table
+    (``interpreter.rank_actions``): a chunk is gathered before its first F and freed after its
+    last use (KEEP GATHERED: its F and B interleave over the whole schedule); its gradients are
+    reduced after its last W, except those of parameters several pipeline ranks hold (DualPipe's
+    copies, tied embeddings), which are summed over the pipeline first at the step's end.
+  The results are bitwise those of "step": the same arithmetic in the same order, the same
+  reductions of the same full gradients. ``gathered_working_set_bytes`` is the peak of this
+  policy's gathered parameters plus full gradients, from shapes alone (what ``fmoe plan`` uses).
+"step": every parameter of the rank gathered (asynchronously) once before the step, freed after
+it; every gradient reduced after the step's last W: the peak of plain data parallelism. FP8 steps
+use it (their weight cache, keyed by storage address, must not see a re-gathered weight).
+
 The optimizer then updates shards (``fmoe.optim`` over the shard dicts, the global norm summed
 over the world). Checkpoints hold the canonical, layout-free tensors (:func:`canonical`,
 :func:`shard_canonical`), so a run saved on one mesh resumes on another.
@@ -16,6 +46,7 @@ over the world). Checkpoints hold the canonical, layout-free tensors (:func:`can
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -228,27 +259,29 @@ def gather_plan(
     ``w_uses[k]``. regather: free a parameter after every run of consecutive steps that read it
     and gather it again for its next use (else it stays gathered from its first use to its last);
     keep: names whose gradients are not taken during the step (another rank adds to them first)."""
-    order: dict[str, None] = {}
-    for used in uses:
-        order.update(dict.fromkeys(sorted(used)))
+    steps: dict[str, list[int]] = {}  # name -> the steps that read it, ascending
+    last_w: dict[str, int] = {}
+    for k, used in enumerate(uses):
+        for name in sorted(used):
+            steps.setdefault(name, []).append(k)
+        for name in w_uses[k]:
+            last_w[name] = k
     spans: list[tuple[int, int, str]] = []  # (first step, last step, name) a gathered copy covers
-    for name in order:
-        steps = [k for k, used in enumerate(uses) if name in used]
-        runs: list[list[int]] = []
-        for k in steps:
-            if runs and (not regather or runs[-1][1] == k - 1):
-                runs[-1][1] = k
-            else:
-                runs.append([k, k])
-        spans += [(lo, hi, name) for lo, hi in runs]
+    for name, ks in steps.items():
+        lo = ks[0]
+        for prev, k in zip(ks, ks[1:]):
+            if regather and k != prev + 1:
+                spans.append((lo, prev, name))
+                lo = k
+        spans.append((lo, ks[-1], name))
     points = sorted({lo for lo, _, _ in spans})
     fetch_at: dict[int, list[str]] = {}
     ready_at: dict[int, list[str]] = {}
     free_at: dict[int, list[str]] = {}
     last_free: dict[str, int] = {}
     for lo, hi, name in sorted(spans):
-        earlier = [p for p in points if p < lo]
-        fetch = earlier[-1] if earlier else lo  # prefetched at the gather point before its own
+        at = bisect.bisect_left(points, lo)
+        fetch = points[at - 1] if at else lo  # prefetched at the gather point before its own
         if name in last_free:
             fetch = max(fetch, last_free[name] + 1)  # not before its previous copy is freed
         fetch_at.setdefault(fetch, []).append(name)
@@ -256,14 +289,14 @@ def gather_plan(
         free_at.setdefault(hi, []).append(name)
         last_free[name] = hi
     take_at: dict[int, list[str]] = {}
-    for name in order:
-        if name in keep:
-            continue
-        last_w = max((k for k, done in enumerate(w_uses) if name in done), default=None)
-        if last_w is not None:
-            take_at.setdefault(last_w, []).append(name)
-    tup = lambda d: {k: tuple(v) for k, v in d.items()}  # noqa: E731
-    return GatherPlan(len(uses), tup(fetch_at), tup(ready_at), tup(free_at), tup(take_at))
+    for name in steps:
+        if name not in keep and name in last_w:
+            take_at.setdefault(last_w[name], []).append(name)
+
+    def frozen(d: dict[int, list[str]]) -> dict[int, tuple[str, ...]]:
+        return {k: tuple(v) for k, v in d.items()}
+
+    return GatherPlan(len(uses), frozen(fetch_at), frozen(ready_at), frozen(free_at), frozen(take_at))
 
 
 def _unit_uses(
@@ -289,6 +322,24 @@ def _unit_uses(
         w_uses.append(set().union(*(chunk_names[c] for c in w)))
     holders = pipeline.param_holders(model, schedule)
     return uses, w_uses, {n for n, ranks in holders.items() if len(ranks) > 1}
+
+
+_PLANS: dict[tuple, tuple[Model, object, GatherPlan]] = {}
+
+
+def _step_plan(model: Model, num_microbatches: int, schedule, pp_rank: int) -> GatherPlan:
+    """The gather plan of a step, built once per (model, microbatches, table, rank) object: a trainer
+    runs the same step every time, and a plan costs a pass over every use of every parameter."""
+    key = (id(model), num_microbatches, id(schedule), pp_rank)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is model and hit[1] is schedule:
+        return hit[2]
+    uses, w_uses, keep = _unit_uses(model, num_microbatches, schedule, pp_rank)
+    plan = gather_plan(uses, w_uses, regather=schedule is None, keep=keep)
+    if len(_PLANS) > 16:
+        _PLANS.clear()
+    _PLANS[key] = (model, schedule, plan)  # holding the objects keeps their ids from being reused
+    return plan
 
 
 def _per_unit(gather: str, fp8: bool, infos: Mapping[str, ShardInfo]) -> bool:
@@ -500,6 +551,7 @@ def gathered_working_set_bytes(
         )
         one = max((grad_bytes(n) + reduce_bytes(n) for n in infos), default=0)
         return max(params + grads, grads + copies + one + sum(shard_bytes(n) for n in infos))
+    schedule = schedule if mesh.pp > 1 else None
     uses, w_uses, keep = _unit_uses(model, num_microbatches, schedule, mesh.coords["pp"])
     uses = [u & set(infos) for u in uses]
     w_uses = [u & set(infos) for u in w_uses]
@@ -605,14 +657,15 @@ def parallel_step(
     batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
     the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch; with
     fp8_dense=False only the expert GEMMs, see ``fp8_training``); timeout_s: how long a pipeline
-    rank waits for a peer before it gives up (``fmoe.dist.wait``). The
-    gradient shards are fp32 where they were summed over ranks, else in the compute dtype.
+    rank waits for a peer before it gives up (``fmoe.dist.wait``); gather: "chunk" (per layer /
+    pipeline chunk, wherever a parameter is sharded and fp8 is off) or "step" (all at once), see
+    the module docstring; both give bitwise the same results. The gradient shards are fp32 where
+    they were summed over ranks, else in the compute dtype.
     """
     mine = local_batch(batch, mesh)
     scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
     if _per_unit(gather, fp8, infos):
-        uses, w_uses, keep = _unit_uses(model, num_microbatches, schedule, mesh.coords["pp"])
-        plan = gather_plan(uses, w_uses, regather=mesh.pp == 1, keep=keep)
+        plan = _step_plan(model, num_microbatches, schedule if mesh.pp > 1 else None, mesh.coords["pp"])
         gathers = _UnitGathers(shards, infos, mesh, dtype, model.buffers, plan, scale)
         hooks = runner.StepHooks(gathers.before, gathers.after, plan.take_at, gathers.taken)
         result = _run(model, gathers.params, mine, num_microbatches, mesh, schedule, seed, timeout_s, hooks)

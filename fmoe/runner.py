@@ -3,6 +3,11 @@
 Every parallel feature (pipeline schedules, expert and data parallelism) is tested against
 :func:`run_sequential`. A step's loss is the mean over microbatches of each microbatch's loss, the
 sum of every stage's weighted loss outputs (cross-entropy, router aux losses).
+
+:func:`execute` is the one micro-batch executor: the sequential reference, the data-parallel step
+(``fmoe.parallel``, pp = 1) and the expert-parallel step (``fmoe.expert_parallel.ep_step``) all run
+it; ``StepHooks`` let a caller gather a unit's parameters around its use and take its gradients as
+soon as they are final.
 """
 
 from __future__ import annotations

@@ -542,9 +542,9 @@ def run_schedule(
                 hooks.before(k)
             _run_action(st, action, order)
             if hooks is not None:
+                hooks.after(k)
                 if k in hooks.take:
                     hooks.taken(R.take_grads(st.grads, None, params, hooks.take[k]))
-                hooks.after(k)
         action = "the final waits"
         for works, _, what in st.pending:
             D.wait(works, group, what, rank, timeout_s)

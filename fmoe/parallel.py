@@ -529,13 +529,16 @@ def gathered_working_set_bytes(
         want = master_dtype if dtype is None or n in uncast else dtype
         return infos[n].numel * size_of(want)
 
-    def reduce_bytes(n: str) -> int:  # what a reduction holds beyond the accumulator
+    def buffer_bytes(n: str) -> int:  # the flat tensor a reduction reads and writes
         info = infos[n]
         to = _grad_dtype(n, info, dtype, scale, uncast)
-        copy = info.numel * size_of(to) if to is not None else 0
-        pad = (info.shard_numel * info.size - info.numel) > 0
-        flat = info.shard_numel * info.size * size_of(to or (master_dtype if dtype is None else dtype))
-        return copy + (flat if pad else 0)
+        padded = info.shard_numel * info.size
+        if to is None and padded == info.numel:
+            return grad_bytes(n)  # the accumulator itself
+        return padded * size_of(to or (master_dtype if dtype is None or n in uncast else dtype))
+
+    def reduce_bytes(n: str) -> int:  # what a reduction holds beyond the accumulator
+        return buffer_bytes(n) - grad_bytes(n) if buffer_bytes(n) != grad_bytes(n) else 0
 
     def shard_bytes(n: str) -> int:
         if not with_grad_shards:
@@ -558,27 +561,33 @@ def gathered_working_set_bytes(
     plan = gather_plan(uses, w_uses, regather=schedule is None, keep=keep & set(infos))
     resident: set[str] = set()
     grads: set[str] = set()
-    in_flight = 0  # the reduction in flight: its full gradients and buffers
-    done = 0  # the gradient shards produced so far (with_grad_shards)
-    peak = 0
     # pp = 1 merges the expert weight GEMMs of all microbatches into one, run when the gradient is
     # taken (``runner.execute``): until then an expert gradient is its GEMM's activations only
     merged = {n for n in infos if is_expert_param(n)} if schedule is None else set()
+    state = {"in_flight": 0, "done": 0, "peak": 0}  # the reduction in flight; gradient shards made
+
+    def measure(extra: int = 0) -> None:
+        held = sum(param_bytes(n) for n in resident) + sum(grad_bytes(n) for n in grads)
+        state["peak"] = max(state["peak"], held + state["in_flight"] + state["done"] + extra)
+
+    def take(names: Sequence[str]) -> None:
+        state["in_flight"] = 0  # the previous reduction completes first
+        for n in names:  # one gradient at a time: its accumulator and its buffer, then the buffer
+            measure(reduce_bytes(n))
+            grads.discard(n)
+            state["in_flight"] += buffer_bytes(n)
+            state["done"] += shard_bytes(n)
+        measure()
+
     for k in range(plan.num_steps):
         resident |= set(plan.fetch_at.get(k, ()))
         grads |= set(w_uses[k]) - merged
-        grads |= set(plan.take_at.get(k, ())) & merged
-        held = sum(param_bytes(n) for n in resident) + sum(grad_bytes(n) for n in grads) + in_flight + done
-        peak = max(peak, held)
-        taken = plan.take_at.get(k, ())
-        if taken:
-            peak = max(peak, held + sum(reduce_bytes(n) for n in taken))
-            grads -= set(taken)
-            done += sum(shard_bytes(n) for n in taken)
-            in_flight = sum(reduce_bytes(n) + grad_bytes(n) for n in taken)
-        resident -= set(plan.free_at.get(k, ()))
-    rest = sum(grad_bytes(n) + reduce_bytes(n) + shard_bytes(n) for n in grads)
-    return max(peak, rest + in_flight + done)
+        measure()
+        resident -= set(plan.free_at.get(k, ()))  # freed before the gradients are taken
+        grads |= set(plan.take_at.get(k, ())) & merged  # the merged expert GEMMs run at the take
+        take(plan.take_at.get(k, ()))
+    take(sorted(grads))  # those summed over the pipeline first, at the step's end
+    return state["peak"]
 
 
 class ShardedStep(NamedTuple):

@@ -211,9 +211,10 @@ class StepHooks:
     and reduce-scatters its gradients as soon as they are final.
 
     before(k): step k is about to run; the parameters it reads must be readable when this returns.
-    after(k): step k has run (its gradients for ``take[k]`` already taken).
-    take: {step k: parameter names whose gradients are final once step k has run}; the executor pops
-        them from its accumulator (zeros where no gradient flowed) and hands them to ``taken``.
+    after(k): step k has run (called before its gradients are taken: parameters may be freed).
+    take: {step k: parameter names whose gradients are final once step k has run}; after ``after(k)``
+        the executor pops them from its accumulator (zeros where no gradient flowed; the parameters'
+        data is not read) and hands them to ``taken``.
     taken(grads): {name: full gradient}, owned by the callee from then on.
     """
 
@@ -302,9 +303,9 @@ def execute(
                 works.append(work)
             weight_grads(works[::-1], merge_later, into=grads)
         if hooks is not None:
+            hooks.after(k)
             if k in hooks.take:
                 hooks.taken(take_grads(grads, merge_later, params, hooks.take[k]))
-            hooks.after(k)
     taken = {n for names in hooks.take.values() for n in names} if hooks is not None else set()
     rest = [n for n in model.param_names() if n not in taken]
     return losses, take_grads(grads, merge_later, params, rest)

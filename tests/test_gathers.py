@@ -150,3 +150,26 @@ def test_a_regathered_parameter_is_never_fetched_while_its_copy_is_alive():
     kept = parallel.gather_plan(uses, w_uses, regather=False, keep={"b"})
     assert kept.fetch_at == {0: ("a", "b")} and kept.free_at == {3: ("b",), 4: ("a",)}
     assert kept.take_at == {4: ("a",)}
+
+
+def test_the_predicted_working_set_is_the_whole_steps_at_most_and_under_half_for_one_pipeline_rank():
+    # pure, from shapes: each rank of dp = 2 meshes, as ``fmoe plan`` calls it (a Mesh without groups)
+    from fmoe.mesh import Mesh
+
+    cfg = tiny_config(num_hidden_layers=6, hidden_size=64, moe_intermediate_size=32, head_dim=16)
+    model, shapes = qwen3_moe.build(cfg), qwen3_moe.param_shapes(cfg)
+    for pp, name in [(1, None), (2, "1f1b"), (2, "dualpipev")]:
+        schedule = generate(name, pp, 4) if pp > 1 else None
+        for r in range(pp):
+            mesh = Mesh(pp, 2, 1, 1, rank=2 * r, coords={"pp": r, "dp": 0, "cp": 0, "ep": 0})
+            names = pipeline.local_param_names(model, schedule, rank=r) if pp > 1 else list(shapes)
+            for dtype in (None, torch.bfloat16):
+                size = {
+                    g: parallel.gathered_working_set_bytes(
+                        model, mesh, shapes, names, dtype, num_microbatches=4, schedule=schedule, gather=g
+                    )
+                    for g in ("step", "chunk")
+                }
+                assert 0 < size["chunk"] <= size["step"], (pp, name, r, dtype, size)
+                if pp == 1:  # about two layers' parameters and the non-expert gradients
+                    assert size["chunk"] < size["step"] / 2, (dtype, size)

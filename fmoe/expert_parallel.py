@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fmoe import runner
-from fmoe import stage as S
 from fmoe.stages import moe
 from fmoe.stages.spec import Model, RoutedTokens, StageContext
 
@@ -131,27 +130,21 @@ def ep_step(
     ep, rank = moe.group_size(ep_group), moe.group_rank(ep_group)
     groups = {"ep": ep_group} if ep > 1 else {}
     loads: dict[int, Tensor] = {}
-    grads: dict[str, Tensor] = {}
-    merge_later: dict = {}  # expert weight GEMMs, merged over the step's microbatches
-    losses = []
-    for i, mb in enumerate(runner.split_microbatches(batch_local, num_microbatches)):
-        ctx = StageContext(microbatch=rank * num_microbatches + i, seed=seed, groups=groups)
-        carry: tuple[Tensor, ...] = ()
-        fwds, terms = [], []
-        for layer, stage in zip(model.layer_of, model.stages):
-            inputs = runner.stage_inputs(stage, carry, mb)
-            if stage.role == "dispatch":  # its inputs start with RoutedTokens: log the routing
-                load = moe.expert_load(RoutedTokens._make(inputs[:4]).expert_ids, model.num_experts)
-                loads[layer] = loads[layer] + load if layer in loads else load
-            outputs, fwd = S.forward(stage, params_local, inputs, ctx)
-            carry, stage_terms = runner.split_outputs(stage, outputs)
-            fwds.append(fwd)
-            terms.extend(stage_terms)
-        losses.append(runner.sum_terms(terms))
-        works = runner.backward_microbatch(fwds, 1.0 / (ep * num_microbatches))
-        runner.weight_grads(works, merge_later, into=grads)
-    runner.accumulate(grads, runner.merged_weight_grads(merge_later))
-    grads = runner.zero_missing(grads, params_local, model.param_names())
+
+    def log_routing(i: int, inputs: tuple[Tensor, ...]) -> None:
+        if model.stages[i].role == "dispatch":  # its inputs start with RoutedTokens: log the routing
+            layer = model.layer_of[i]
+            load = moe.expert_load(RoutedTokens._make(inputs[:4]).expert_ids, model.num_experts)
+            loads[layer] = loads[layer] + load if layer in loads else load
+
+    microbatches = runner.split_microbatches(batch_local, num_microbatches)
+    contexts = [
+        StageContext(microbatch=rank * num_microbatches + i, seed=seed, groups=groups)
+        for i in range(num_microbatches)
+    ]
+    losses, grads = runner.execute(
+        model, params_local, microbatches, contexts, 1.0 / (ep * num_microbatches), observe=log_routing
+    )
     local_losses = torch.stack(losses)
     if ep > 1:
         _all_reduce_sum(grads, [n for n in grads if not is_expert_param(n)], ep_group)

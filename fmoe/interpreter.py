@@ -478,6 +478,23 @@ def _checked_and_lowered(schedule: Schedule) -> Schedule:
     return lowered
 
 
+def rank_actions(schedule: Schedule, rank: int) -> tuple[Action, ...]:
+    """The rows pipeline ``rank`` runs for ``schedule`` (validated, lowered when it has no SEND/RECV
+    rows): what ``run_schedule``'s ``hooks`` count."""
+    return tuple(_checked_and_lowered(schedule).actions[rank])
+
+
+def chunks_used(action: Action) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the rank-local chunks whose parameters ``action`` reads, those whose W it runs)."""
+    if action.kind == "FB":
+        return (action.chunk, action.b_chunk), (action.b_chunk,)
+    if action.kind in ("F", "B"):
+        return (action.chunk,), ()
+    if action.kind in ("W", "BW"):
+        return (action.chunk,), (action.chunk,)
+    return (), ()
+
+
 def run_schedule(
     schedule: Schedule,
     model: Model,
@@ -490,6 +507,7 @@ def run_schedule(
     fb_order: str | Sequence[FBStep] = FB_ORDER,
     reduce_shared: bool = True,
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
+    hooks: R.StepHooks | None = None,
 ) -> R.StepResult:
     """Run this rank's rows of ``schedule``; return the step's loss and this rank's gradients.
 
@@ -499,7 +517,9 @@ def run_schedule(
     every rank; group: the pipeline process group (default: the world); seed/stage_groups: the
     StageContext fields; fb_order: the FB stage order (see ``FB_ORDER``); reduce_shared: sum the
     gradients of parameters several ranks hold (DualPipe copies, tied embeddings) here, so every
-    holder gets the total.
+    holder gets the total; hooks: called around each of this rank's rows (``rank_actions``; k is
+    the row's index there), e.g. to gather a chunk's parameters before its first use and take its
+    gradients after its last W (``fmoe.parallel``); names it takes are absent from the result.
     Returns StepResult(loss [] float32, {name: grad} for this rank's params, per-microbatch losses,
     the statistics of this rank's stages summed over its microbatches).
     Raises ScheduleError (every rank, nothing run) for an invalid table; PipelineError when any rank
@@ -513,10 +533,19 @@ def run_schedule(
     order = parse_fb_order(fb_order) if isinstance(fb_order, str) else tuple(fb_order)
     st = _Rank(schedule, model, params, batch, group, rank, seed, dict(stage_groups or {}), timeout_s)
     names = P.local_param_names(model, schedule, rank=rank)
+    if hooks is not None:
+        taken = {n for ns in hooks.take.values() for n in ns}
+        names = [n for n in names if n not in taken]
     action: object = "setup"
     try:
-        for action in schedule.actions[rank]:
+        for k, action in enumerate(schedule.actions[rank]):
+            if hooks is not None:
+                hooks.before(k)
             _run_action(st, action, order)
+            if hooks is not None:
+                hooks.after(k)
+                if k in hooks.take:
+                    hooks.taken(R.take_grads(st.grads, None, params, hooks.take[k]))
         action = "the final waits"
         for works, _, what in st.pending:
             D.wait(works, group, what, rank, timeout_s)

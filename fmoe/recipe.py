@@ -81,6 +81,9 @@ class ParallelConfig:
     schedule: str = "1f1b"  # a generator name, or a path to a CSV table
     chunks: int = 1  # model chunks per pipeline rank for interleaved schedules
     timeout_s: float = 600.0  # how long a rank waits for a peer (pipeline transfers, process group)
+    # when sharded parameters are gathered: "chunk" just before each layer's use (pp = 1) or each
+    # pipeline chunk's first use (pp > 1), gradients reduced as soon as final; "step": all at once
+    gather: str = "chunk"
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,8 @@ def validate(recipe: Recipe) -> None:
         raise RecipeError(
             f"{where}: parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}"
         )
+    if p.gather not in ("chunk", "step"):
+        raise RecipeError(f"{where}: parallel.gather must be 'chunk' or 'step', got {p.gather!r}")
     sizes = model_family(recipe.model_family, where).sizes(recipe.model)
     if sizes.max_positions is not None and sizes.max_positions < recipe.data.seq_len:
         raise RecipeError(

@@ -3,11 +3,16 @@
 Every parallel feature (pipeline schedules, expert and data parallelism) is tested against
 :func:`run_sequential`. A step's loss is the mean over microbatches of each microbatch's loss, the
 sum of every stage's weighted loss outputs (cross-entropy, router aux losses).
+
+:func:`execute` is the one micro-batch executor: the sequential reference, the data-parallel step
+(``fmoe.parallel``, pp = 1) and the expert-parallel step (``fmoe.expert_parallel.ep_step``) all run
+it; ``StepHooks`` let a caller gather a unit's parameters around its use and take its gradients as
+soon as they are final.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +175,142 @@ def zero_missing(
     return {n: grads[n] if n in grads else torch.zeros_like(params[n]) for n in names}
 
 
+@dataclass(frozen=True)
+class UnitStep:
+    """One step of the micro-batch executor (``execute``): phase "F" runs the forward of one unit's
+    stages for one microbatch; phase "BW" runs their B (last stage first) and then their W."""
+
+    microbatch: int
+    phase: str  # "F" or "BW"
+    unit: int
+
+
+def execution_units(model: Model) -> list[tuple[int, ...]]:
+    """The executor's units, in forward order: the stages before the first transformer layer, each
+    layer's stages (``Model.layer_of``), the stages after the last layer (empty runs left out)."""
+    from fmoe.pipeline import layer_units  # pipeline imports nothing of the runner
+
+    prefix, layers, suffix = layer_units(model)
+    return [tuple(u) for u in (prefix, *layers, suffix) if u]
+
+
+def microbatch_plan(num_units: int, num_microbatches: int) -> list[UnitStep]:
+    """The executor's order: per microbatch, F of every unit first to last, then B + W of every unit
+    last to first (one microbatch's activations alive at a time)."""
+    plan = []
+    for m in range(num_microbatches):
+        plan += [UnitStep(m, "F", u) for u in range(num_units)]
+        plan += [UnitStep(m, "BW", u) for u in reversed(range(num_units))]
+    return plan
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What a caller runs around the steps of an executor (``execute``'s plan steps, or the pipeline
+    interpreter's actions): how ``fmoe.parallel`` gathers a unit's parameters just before it is used
+    and reduce-scatters its gradients as soon as they are final.
+
+    before(k): step k is about to run; the parameters it reads must be readable when this returns.
+    after(k): step k has run (called before its gradients are taken: parameters may be freed).
+    take: {step k: parameter names whose gradients are final once step k has run}; after ``after(k)``
+        the executor pops them from its accumulator (zeros where no gradient flowed; the parameters'
+        data is not read) and hands them to ``taken``.
+    taken(grads): {name: full gradient}, owned by the callee from then on.
+    """
+
+    before: Callable[[int], None]
+    after: Callable[[int], None]
+    take: Mapping[int, tuple[str, ...]]
+    taken: Callable[[dict[str, Tensor]], None]
+
+
+def take_grads(
+    grads: dict[str, Tensor],
+    merge_later: dict[str, list[GroupedWeightGrad]] | None,
+    params: Mapping[str, Tensor],
+    names: Sequence[str],
+) -> dict[str, Tensor]:
+    """Pop the final gradients of ``names`` from an accumulator: their merged expert GEMMs added,
+    zeros where no gradient flowed (shaped and typed like ``params[n]``, whose data is not read)."""
+    if merge_later:
+        pending = {n: merge_later.pop(n) for n in names if n in merge_later}
+        accumulate(grads, merged_weight_grads(pending))
+    return {n: grads.pop(n) if n in grads else torch.zeros_like(params[n]) for n in names}
+
+
+def execute(
+    model: Model,
+    params: Mapping[str, Tensor],
+    microbatches: Sequence[Batch],
+    contexts: Sequence[StageContext],
+    loss_scale: float,
+    *,
+    merge_expert_grads: bool = True,
+    statistics: dict[str, Tensor] | None = None,
+    observe: Callable[[int, tuple[Tensor, ...]], None] | None = None,
+    hooks: StepHooks | None = None,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """The micro-batch executor: run ``microbatch_plan`` over ``execution_units`` in one process;
+    return (each microbatch's loss, {name: gradient} summed over the microbatches).
+
+    What the sequential reference, the data-parallel step (pp = 1) and the expert-parallel step run.
+    microbatches: the batches ({"tokens": [b, s], "labels": [b, s], "positions": [s]}), contexts: one
+    StageContext each; loss_scale: the seed of every loss output (1 / microbatches, or less when the
+    caller averages over ranks too); merge_expert_grads: run each expert weight GEMM once over all
+    microbatches' rows, when the parameter's last W has run, instead of once per microbatch;
+    statistics: if given, every stage's statistic outputs are added into it; observe(stage index,
+    inputs): called before each stage's F (e.g. to log routing); hooks: see ``StepHooks`` (k counts
+    the plan's steps). The returned gradients hold every parameter that ``hooks`` did not take
+    (zeros where none flowed; none missing), in model order.
+    Per parameter, gradients add up in microbatch order whatever the hooks, so the results do not
+    depend on them bitwise.
+    """
+    units = execution_units(model)
+    plan = microbatch_plan(len(units), len(microbatches))
+    grads: dict[str, Tensor] = {}
+    merge_later: dict[str, list[GroupedWeightGrad]] | None = {} if merge_expert_grads else None
+    carry: tuple[Tensor, ...] = ()  # the microbatch in flight: F's carry, then B's output gradient
+    fwds: list[S.Forwarded | None] = []
+    terms: list[Tensor] = []
+    losses: list[Tensor] = []
+    for k, step in enumerate(plan):
+        if hooks is not None:
+            hooks.before(k)
+        mb, ctx = microbatches[step.microbatch], contexts[step.microbatch]
+        if step.phase == "F":
+            if step.unit == 0:
+                carry, fwds, terms = (), [None] * len(model.stages), []
+            for i in units[step.unit]:
+                stage = model.stages[i]
+                inputs = stage_inputs(stage, carry, mb)
+                if observe is not None:
+                    observe(i, inputs)
+                outputs, fwds[i] = S.forward(stage, params, inputs, ctx)
+                carry, stage_terms = split_outputs(stage, outputs)
+                if statistics is not None:
+                    add_statistics(statistics, stage, outputs)
+                terms.extend(stage_terms)
+            if step.unit == len(units) - 1:
+                losses.append(sum_terms(terms))
+                carry = ()  # B starts from the loss outputs alone
+        else:
+            works = []
+            for i in reversed(units[step.unit]):
+                fwd, fwds[i] = fwds[i], None  # drop the activation as soon as its B has run
+                grad_out = carry if carry else (None,) * fwd.stage.num_carried(len(fwd.outputs))
+                grad_in, work = S.backward_input(fwd, grad_out, loss_scale)
+                carry = tuple(grad_in[: len(grad_in) - len(fwd.stage.batch_inputs)])
+                works.append(work)
+            weight_grads(works[::-1], merge_later, into=grads)
+        if hooks is not None:
+            hooks.after(k)
+            if k in hooks.take:
+                hooks.taken(take_grads(grads, merge_later, params, hooks.take[k]))
+    taken = {n for names in hooks.take.values() for n in names} if hooks is not None else set()
+    rest = [n for n in model.param_names() if n not in taken]
+    return losses, take_grads(grads, merge_later, params, rest)
+
+
 def run_sequential(
     model: Model,
     params: Mapping[str, Tensor],
@@ -178,7 +319,8 @@ def run_sequential(
     seed: int = 0,
     merge_expert_grads: bool = True,
 ) -> StepResult:
-    """One training step's loss and gradients: per microbatch F of all stages, B last to first, then W.
+    """One training step's loss and gradients (``execute``: per microbatch F of all stages, then B
+    last to first, each layer's W after its B).
 
     batch: {"tokens": [b, s] int64, "labels": [b, s] int64, optional "positions"}.
     merge_expert_grads: run the expert-grouped weight GEMMs once for the whole step over all its
@@ -186,18 +328,12 @@ def run_sequential(
     the inputs and output gradients of those GEMMs are then held until the step's end.
     """
     microbatches = split_microbatches(batch, num_microbatches)
-    grads: dict[str, Tensor] = {}
-    merge_later: dict[str, list[GroupedWeightGrad]] | None = {} if merge_expert_grads else None
-    losses = []
+    contexts = [StageContext(microbatch=i, seed=seed) for i in range(num_microbatches)]
     statistics: dict[str, Tensor] = {}
-    for i, mb in enumerate(microbatches):
-        ctx = StageContext(microbatch=i, seed=seed)
-        fwds, loss = forward_microbatch(model, params, mb, ctx, statistics)
-        losses.append(loss)
-        weight_grads(backward_microbatch(fwds, 1.0 / num_microbatches), merge_later, into=grads)
-    if merge_later:
-        accumulate(grads, merged_weight_grads(merge_later))
-    grads = zero_missing(grads, params, model.param_names())
+    losses, grads = execute(
+        model, params, microbatches, contexts, 1.0 / num_microbatches,
+        merge_expert_grads=merge_expert_grads, statistics=statistics,
+    )  # fmt: skip
     return StepResult(mean_loss(losses), grads, losses, statistics)
 
 

@@ -54,6 +54,7 @@ def train_cli(tmp_path, dataset, capsys, **sections) -> tuple[int, str, str]:
         ({"parallel": {"schedule": "missing.csv"}}, "parallel.schedule: 'missing.csv': file not found"),
         ({"parallel": {"timeout_s": 0}}, "parallel.timeout_s must be a finite number of seconds > 0"),
         ({"train": {"cuda_graphs": True}}, "train.cuda_graphs needs a CUDA device; train.device is 'cpu'"),
+        ({"parallel": {"gather": "layer"}}, "parallel.gather must be 'chunk' or 'step', got 'layer'"),
         # 4 pipeline stages for a 1-layer model: ranks 2 and 3 would hold nothing and wait forever
         ({"model": {"num_hidden_layers": 1}, "parallel": {"pp": 4}, "train": {"global_batch": 8, "microbatches": 4}},
          "pipeline rank 2 would run no stage"),

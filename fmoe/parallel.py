@@ -480,7 +480,7 @@ def planned_layout(
         shape = tuple(shapes[name])
         group = "dp_cp" if is_expert_param(name) else "dp_cp_ep"
         if is_expert_param(name) and mesh.ep > 1:
-            shape = (model.config.num_experts // mesh.ep, *shape[1:])
+            shape = (model.num_experts // mesh.ep, *shape[1:])
         out[name] = ShardInfo(shape, group, *sizes[group])
     return out
 

@@ -105,9 +105,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     device = "cpu" if recipe.train.device == "cpu" else "cuda"
     fam = family_module(recipe.model_family)
     model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
-    working_set = plan.WorkingSet(args.working_set)
+    working_set = None if args.working_set is None else plan.WorkingSet(args.working_set)
     plans = plan.layouts(recipe, model, shapes, args.nproc, device=device, working_set=working_set,
-                         supports_cp=getattr(fam, "SUPPORTS_CONTEXT_PARALLEL", False))  # fmt: skip
+                         supports_cp=fam.supports_context_parallel)  # fmt: skip
     if not plans:
         raise ValueError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
                          f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
@@ -132,7 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fit = [q for q in plans if q.fits(limit)]
     limit_text = "no device limit" if limit is None else f"{plan.human(limit)} per device"
     print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
-          f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, working set {working_set.value}")  # fmt: skip
+          f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, "
+          f"gathers {'per parallel.gather' if working_set is None else working_set.value}")  # fmt: skip
     print(
         f"layouts ({len(fit)} of {len(plans)} fit{'; those that fit' if args.fitting else ''}), fewest idle first:"
     )
@@ -160,8 +161,9 @@ def parser() -> argparse.ArgumentParser:
                     help="memory per device, GiB (default: train.device_memory_gib; 0 or unset: no limit)")  # fmt: skip
     pl.add_argument("--layout", default=None, metavar="PP,DP,CP,EP",
                     help="print this layout's ranks (default: the recipe's, else the best that fits)")  # fmt: skip
-    pl.add_argument("--working-set", choices=["step", "unit"], default="step",
-                    help="gathers per step (today's parallel_step) or per pipeline chunk / layer")  # fmt: skip
+    pl.add_argument("--working-set", choices=["step", "unit"], default=None,
+                    help="plan gathers per step or per pipeline chunk / layer (default: what the "
+                         "recipe's parallel.gather makes parallel_step do)")  # fmt: skip
     pl.add_argument("--fitting", action="store_true", help="list only the layouts that fit")
     pl.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field"

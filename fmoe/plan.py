@@ -10,7 +10,8 @@ bytes; nothing here touches a process group or allocates a tensor. For every ran
                the dtype W makes them, plus the fp32 copy ``parallel_step`` makes before its
                reduce-scatter; ``WorkingSet.UNIT``: the fp32 gradient shards)
   gathered     the parameters gathered in the compute dtype (``STEP``: all of this rank's, for the
-               whole step; ``UNIT``: the largest two adjacent units plus one unit's full gradient)
+               whole step; ``UNIT``: ``parallel.gathered_working_set_bytes``, the gathers per layer
+               or pipeline chunk that ``parallel_step`` makes, replayed, with the full gradients)
   activations  the most bytes of saved activations in flight: the schedule's rows walked in order,
                each F adding its (micro-batch, chunk)'s bytes and each W / BW / FB's backward half
                freeing them (the simulator's ``peak_activations`` count, weighted by chunk)
@@ -32,9 +33,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from fmoe import pipeline
+import torch
+
+from fmoe import parallel, pipeline
 from fmoe.expert_parallel import is_expert_param
-from fmoe.mesh import DIMS, MeshError, check_sizes
+from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
 from fmoe.schedules import Schedule, ScheduleError, generate, simulate, validate
 from fmoe.stages.spec import Model, Stage
 
@@ -139,46 +142,6 @@ def step_grads_bytes(
         if s.group_size > 1:
             total += s.shard_numel * FP32
     return total
-
-
-# ------------------------------------------------------------------------------------------------
-# the gathered working set under per-unit gathers (isolated: parallel.gathered_working_set_bytes
-# of the per-stage-gather engineer replaces this function when it lands)
-
-
-def unit_working_set_bytes(
-    units: Sequence[Sequence[ParamShard]], compute_bytes: int, buffers: frozenset[str]
-) -> int:
-    """``WorkingSet.UNIT``: the most gathered bytes of two adjacent units (the one in use and the
-    one prefetched), plus one unit's full gradient in the compute dtype (made by its W before the
-    reduce-scatter frees it). units: the rank's gather units in execution order."""
-    gathered = [
-        sum(s.padded_numel * (FP32 if s.name in buffers else compute_bytes) for s in u) for u in units
-    ]
-    grads = [sum(s.full_numel * (FP32 if s.name in buffers else compute_bytes) for s in u) for u in units]
-    pairs = [gathered[i] + gathered[i + 1] for i in range(len(units) - 1)] or gathered or [0]
-    return max(pairs) + max(grads, default=0)
-
-
-def gather_units(model: Model, pp: int, table: Schedule | None, rank: int) -> list[list[str]]:
-    """The parameter names of each gather unit of pipeline ``rank``: its chunks (pp > 1), else each
-    layer (the embedding with the first, the head with the last), in execution order."""
-    if table is not None and pp > 1:
-        smap = pipeline.schedule_stage_map(model, table)
-        groups = [smap[(rank, c)] for c in range(table.chunks)]
-    else:
-        prefix, layer_stages, suffix = pipeline.layer_units(model)
-        groups = [list(u) for u in layer_stages] or [[]]
-        groups[0] = prefix + groups[0]
-        groups[-1] = groups[-1] + suffix
-    out = []
-    for idx in groups:
-        names: dict[str, None] = {}
-        for i in idx:
-            for n in model.stages[i].params:
-                names.setdefault(n)
-        out.append(list(names))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -467,12 +430,15 @@ def plan_layout(
     *,
     table: Schedule | None = None,
     device: str = "cuda",
-    working_set: WorkingSet = WorkingSet.STEP,
+    working_set: WorkingSet | None = None,
 ) -> LayoutPlan:
     """The plan of ``recipe`` on mesh ``sizes`` = (pp, dp, cp, ep).
 
-    table: the pipeline schedule (default: the recipe's, made for pp); device: "cuda" or "cpu"."""
+    table: the pipeline schedule (default: the recipe's, made for pp); device: "cuda" or "cpu";
+    working_set: None plans what ``parallel_step`` will do (``recipe_working_set``)."""
     pp, dp, cp, ep = sizes
+    if working_set is None:
+        working_set = recipe_working_set(recipe, sizes)
     cfg, t = recipe.model, recipe.train
     if pp > 1 and table is None:
         table = _table(recipe, pp)
@@ -518,9 +484,12 @@ def plan_layout(
             grads = step_grads_bytes(shards, e, dp, cp, ep, buffers)
             peak = params + opt + max(gathered + acts_and_grads, grads)
         else:
-            by_name = {s.name: s for s in shards}
-            units = [[by_name[n] for n in u if n in by_name] for u in gather_units(model, pp, table, r)]
-            gathered = unit_working_set_bytes(units, e, buffers)
+            coords = {**dict.fromkeys(DIMS, 0), "pp": r}
+            gathered = parallel.gathered_working_set_bytes(
+                model, Mesh(pp, dp, cp, ep, rank=r * dp * cp * ep, coords=coords), shapes, names,
+                None if t.dtype == "float32" else torch.bfloat16, num_microbatches=t.microbatches,
+                schedule=table if pp > 1 else None,
+            )  # fmt: skip
             grads = sum(s.shard_numel for s in shards) * FP32
             peak = params + opt + grads + gathered + acts
         rank0 = r * dp * cp * ep
@@ -528,6 +497,15 @@ def plan_layout(
     name = "-" if table is None else (recipe.parallel.schedule if pp > 1 else "-")
     planned = recipe.model_family in ACTIVATION_FORMULAS
     return LayoutPlan(pp, dp, cp, ep, name, bubble, tuple(terms), activations_planned=planned)
+
+
+def recipe_working_set(recipe, sizes: tuple[int, int, int, int]) -> WorkingSet:
+    """The gathers ``parallel_step`` does for this recipe on these sizes: per unit
+    (``parallel.gather = "chunk"``) where some parameter is sharded (dp x cp x ep > 1) and FP8 is
+    off, else once for the step."""
+    _, dp, cp, ep = sizes
+    per_unit = recipe.parallel.gather == "chunk" and not recipe.train.fp8 and dp * cp * ep > 1
+    return WorkingSet.UNIT if per_unit else WorkingSet.STEP
 
 
 def candidate_sizes(
@@ -555,7 +533,7 @@ def candidate_sizes(
 
 def layouts(
     recipe, model: Model, shapes, nproc: int, *, supports_cp: bool, device: str = "cuda",
-    working_set: WorkingSet = WorkingSet.STEP,
+    working_set: WorkingSet | None = None,
 ) -> list[LayoutPlan]:  # fmt: skip
     """The plans of every layout of ``nproc`` processes the recipe can run, fewest idle first
     (bubble, then peak bytes). A pp whose schedule cannot be made (too few micro-batches) is left out."""

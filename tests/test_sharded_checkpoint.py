@@ -302,25 +302,38 @@ def test_export_hf_from_a_sharded_checkpoint_equals_the_export_of_the_whole_dict
 
 
 @pytest.mark.skipif(not memory.can_measure(torch.device("cpu")), reason="no /proc to measure peaks")
-def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path):
-    from safetensors import safe_open
-
+def _export_peak(rank: int, world: int, group, path: str, out_dir: str) -> int:
+    """export_hf of the checkpoint at ``path`` (lazily read) in a fresh process: its peak extra bytes."""
     from fmoe import hf
+
+    cpu = torch.device("cpu")
+    lazy = checkpoint.open_checkpoint(path).tensors("model")
+    base = memory.reset_peak(cpu)
+    hf.export_hf("qwen3_moe", tiny_config(**BIG), lazy, out_dir)
+    return memory.peak_bytes(cpu) - base
+
+
+def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path, monkeypatch):
+    from safetensors import safe_open
 
     cfg = tiny_config(**BIG)
     shapes = qwen3_moe.param_shapes(cfg)
     one_tensor = 4 * max(torch.Size(s).numel() for s in shapes.values())
     whole = 4 * sum(torch.Size(s).numel() for s in shapes.values())
-    cpu = torch.device("cpu")
-    lazy = checkpoint.open_checkpoint(job[0]["memory"]["path"]).tensors("model")
-    base = memory.reset_peak(cpu)
-    out = hf.export_hf("qwen3_moe", cfg, lazy, tmp_path / "hf")
-    extra = memory.peak_bytes(cpu) - base
+    # a fresh process with a fixed mmap threshold: every tensor above 64 KiB is its own mapping,
+    # returned when freed, so the resident peak follows the tensors' (a long test session's heap
+    # would keep freed blocks resident)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
+    path, out = job[0]["memory"]["path"], tmp_path / "hf"
+    [result] = D.spawn(_export_peak, 1, (path, str(out)), timeout_s=240)
+    assert result.ok, f"{result.error_type}: {result.error}\n{result.traceback}"
+    extra = result.value
     # one canonical tensor assembled, plus its Hugging Face form (qwen3_moe unstacks the experts
     # into contiguous per-expert copies), plus the slack of the memory test above
     slack = 16 << 20
     assert whole > 2 * one_tensor + 2 * slack
     assert extra <= 2 * one_tensor + slack, (extra, one_tensor, whole)
+    lazy = checkpoint.open_checkpoint(path).tensors("model")
     name = "model.layers.1.mlp.experts.7.down_proj.weight"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor(name), lazy["model.layers.1.mlp.experts.down_proj"][7])

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fmoe.stages import qwen3_moe
 
 from benchmarks.common import environment
 from fmoe import checkpoint, memory, parallel
 from fmoe import dist as D
 from fmoe import train as T
 from fmoe.mesh import build_mesh
+from fmoe.stages import qwen3_moe
 
 CONFIG = dict(
     vocab_size=32768, hidden_size=2048, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,

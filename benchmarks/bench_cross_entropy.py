@@ -19,10 +19,10 @@ import argparse
 import statistics
 
 import torch
-from fmoe.kernels import cross_entropy as ce
-from fmoe.kernels._triton import use_triton
 
 from benchmarks.common import time_ms, write_result
+from fmoe.kernels import cross_entropy as ce
+from fmoe.kernels._triton import use_triton
 
 FWD_SWEEP = [(2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 BWD_SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (8192, 16)]

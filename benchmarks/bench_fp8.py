@@ -40,6 +40,7 @@ except ImportError:  # a checkout that is not pip-installed: map the package dir
         sys.modules[name] = mod
 
 import triton  # noqa: E402
+
 from fmoe.kernels import fp8_gemm as fg  # noqa: E402
 from fmoe.kernels import fp8_linear as fl  # noqa: E402
 from fmoe.kernels import fp8_quant as fq  # noqa: E402

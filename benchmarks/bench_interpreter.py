@@ -17,12 +17,13 @@ import json
 import time
 
 import torch
-from fmoe.schedules import generate, lower
-from fmoe.stages.spec import Model, Stage, StageContext
 
 from fmoe import dist as D
 from fmoe import interpreter as I
 from fmoe import stage as S
+from fmoe.schedules.generators import generate
+from fmoe.schedules.verify import lower
+from fmoe.stages.spec import Model, Stage, StageContext
 
 
 def trivial_model(num_stages: int) -> Model:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from fmoe.stages import qwen3_moe
 
 from benchmarks.bench_stages import QWEN3_30B_A3B_LAYER, TINY, bench_stage, layer_inputs
 from benchmarks.common import write_result
+from fmoe.stages import qwen3_moe
 
 MOE_STAGES = ("dispatch", "mlp", "combine")
 

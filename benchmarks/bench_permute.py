@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from fmoe.kernels import permute as P
 
 GOAL_SPEEDUP = 3.0

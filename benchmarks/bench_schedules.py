@@ -16,7 +16,9 @@ import platform
 import sys
 import time
 
-from fmoe.schedules import GENERATORS, generate, lower, simulate, validate
+from fmoe.schedules.generators import GENERATORS, generate
+from fmoe.schedules.simulator import simulate
+from fmoe.schedules.verify import lower, validate
 
 
 def best(fn, repeat: int) -> tuple[float, float, object]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from fmoe.stages import qwen3_moe
-from fmoe.stages.spec import StageContext
 
 from benchmarks.common import time_ms, write_result
 from fmoe import runner
 from fmoe import stage as S
+from fmoe.stages import qwen3_moe
+from fmoe.stages.spec import StageContext
 
 QWEN3_30B_A3B_LAYER = dict(
     vocab_size=151936,

@@ -7,12 +7,12 @@ benchmarks/results/stages_attn_profile_h200.json), so a wall-time gap is host ov
 """
 
 import torch
-from fmoe.stages import qwen3_moe
-from fmoe.stages.spec import StageContext
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import bench_stages as BS
 from fmoe import stage as S
+from fmoe.stages import qwen3_moe
+from fmoe.stages.spec import StageContext
 
 cfg = qwen3_moe.Qwen3MoeConfig(**BS.QWEN3_30B_A3B_LAYER)
 model = qwen3_moe.build(cfg)

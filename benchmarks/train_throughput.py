@@ -27,11 +27,11 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fmoe.stages import qwen3_moe
 
 from benchmarks import bench_stages
 from benchmarks.common import time_ms, write_result
 from fmoe import optim, runner
+from fmoe.stages import qwen3_moe
 
 PEAK_TFLOPS = 989.0
 # the Qwen3-30B-A3B shapes of the stage benchmark, with as many layers as --layers asks
@@ -259,10 +259,9 @@ def fmoe_step_fn(
     fp8_dense: bool = True,
     cuda_graphs: bool = False,
 ):
+    from fmoe.cuda_graphs import GraphedStep
     from fmoe.stages import layers
     from fmoe.stages.primitives import fp8_training
-
-    from fmoe.cuda_graphs import GraphedStep
 
     model = qwen3_moe.build(cfg)
     params = model.init(seed=0, dtype=torch.float32, device=device)

@@ -53,17 +53,8 @@ from fmoe import dist as D
 from fmoe import pipeline as P
 from fmoe import runner as R
 from fmoe import stage as S
-from fmoe.schedules import (
-    Action,
-    Schedule,
-    ScheduleError,
-    copy_of,
-    locate,
-    lower,
-    num_stages,
-    stage_of,
-    validate,
-)
+from fmoe.schedules.table import Action, Schedule, ScheduleError, copy_of, locate, num_stages, stage_of
+from fmoe.schedules.verify import lower, validate
 from fmoe.stages.spec import Model, Stage, StageContext
 
 HEADER = 64

@@ -16,7 +16,7 @@ pp-1-s and their gradients must be summed (``param_holders`` says who shares wha
 
 from __future__ import annotations
 
-from fmoe.schedules import PLACEMENTS, Schedule, stage_of
+from fmoe.schedules.table import PLACEMENTS, Schedule, stage_of
 from fmoe.stages.spec import Model
 
 

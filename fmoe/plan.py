@@ -38,7 +38,10 @@ import torch
 from fmoe import parallel, pipeline
 from fmoe.expert_parallel import is_expert_param
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
-from fmoe.schedules import Schedule, ScheduleError, generate, simulate, validate
+from fmoe.schedules.generators import generate
+from fmoe.schedules.simulator import simulate
+from fmoe.schedules.table import Schedule, ScheduleError
+from fmoe.schedules.verify import validate
 from fmoe.stages.spec import Model, Stage
 
 GiB = 1 << 30
@@ -410,7 +413,7 @@ def _table(recipe, pp: int) -> Schedule | None:
         return None
     p = recipe.parallel
     if p.schedule.endswith(".csv"):
-        from fmoe.schedules import read_csv
+        from fmoe.schedules.table import read_csv
 
         table = read_csv(p.schedule)
         if table.pp != pp or table.microbatches != recipe.train.microbatches:

@@ -273,28 +273,30 @@ def _validate_optim(recipe: Recipe, where: str) -> None:
 def _validate_schedule(recipe: Recipe, where: str) -> None:
     """parallel.schedule names a generator or an existing CSV (whatever pp is), and with pp > 1 every
     pipeline rank runs at least one model stage (a rank with none would wait on its peers forever)."""
-    from fmoe import pipeline, schedules
+    from fmoe import pipeline
+    from fmoe.schedules.generators import GENERATORS
+    from fmoe.schedules.table import read_csv
 
     p = recipe.parallel
     name = p.schedule
     if name.endswith(".csv"):
         if not Path(name).is_file():
             raise RecipeError(f"{where}: parallel.schedule: {name!r}: file not found")
-    elif name not in schedules.GENERATORS:
+    elif name not in GENERATORS:
         raise RecipeError(
             f"{where}: parallel.schedule: unknown schedule {name!r}; choose one of "
-            f"{', '.join(schedules.GENERATORS)} or a .csv table"
+            f"{', '.join(GENERATORS)} or a .csv table"
         )
     if p.pp == 1:
         return
     if name.endswith(".csv"):
         try:
-            table = schedules.read_csv(name)
+            table = read_csv(name)
         except (ValueError, OSError) as e:
             raise RecipeError(f"{where}: parallel.schedule {name!r}: {e}") from None
         placement, chunks = table.placement, table.chunks
     else:
-        _, placement, chunks = schedules.GENERATORS[name]
+        _, placement, chunks = GENERATORS[name]
         if name == "interleaved-1f1b":
             chunks = p.chunks
     model = model_family(recipe.model_family, where).build(recipe.model)

@@ -35,13 +35,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline, schedules
+from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline
 from fmoe import dist as D
 from fmoe import plan as memory_plan
 from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.recipe import Recipe, RecipeError
+from fmoe.schedules.generators import generate
+from fmoe.schedules.table import read_csv
+from fmoe.schedules.verify import validate
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
 
@@ -326,11 +329,11 @@ def _schedule(recipe: Recipe, mesh):
     p = recipe.parallel
     try:
         if p.schedule.endswith(".csv"):
-            table = schedules.read_csv(p.schedule)
+            table = read_csv(p.schedule)
         else:
             options = {"chunks": p.chunks} if p.schedule == "interleaved-1f1b" else {}
-            table = schedules.generate(p.schedule, mesh.pp, recipe.train.microbatches, **options)
-        schedules.validate(table)
+            table = generate(p.schedule, mesh.pp, recipe.train.microbatches, **options)
+        validate(table)
     except (ValueError, FileNotFoundError) as e:
         raise RecipeError(f"{recipe.path}: parallel.schedule {p.schedule!r}: {e}") from None
     if table.pp != mesh.pp or table.microbatches != recipe.train.microbatches:

@@ -39,8 +39,9 @@ import struct
 from collections.abc import Sequence
 
 import torch
-from fmoe.kernels._triton import tl, triton, use_triton
 from torch import Tensor
+
+from fmoe.kernels._triton import tl, triton, use_triton
 
 __all__ = ["BLOCK", "NUM_WARPS", "adamw_"]
 

@@ -17,8 +17,9 @@ on CUDA they are not checked (that would cost a host sync): such a row's loss is
 
 import torch
 import torch.nn.functional as F
-from fmoe.kernels._triton import tl, triton, use_triton
 from torch import Tensor
+
+from fmoe.kernels._triton import tl, triton, use_triton
 
 # H200 launch shapes for V ~ 152k, T ~ 4096 (benchmarks/bench_cross_entropy.py --sweep times them;
 # [4096, 151936] bf16, medians of 5 interleaved rounds). 32 logits per thread is the sweet spot for both.

@@ -33,6 +33,8 @@ import importlib
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
 from fmoe.kernels._triton import (
     BACKENDS,
     HAS_TRITON,
@@ -54,7 +56,6 @@ from fmoe.kernels.fp8_quant import (
     dequantize_act_t,
     tile_map,
 )
-from torch import Tensor
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ for weights), FP32 accumulation, ``out_dtype`` results (bf16 by default).
 """
 
 import torch
+from torch import Tensor
+
 from fmoe.kernels.fp8_gemm import fp8_gemm_nt, fp8_gemm_wgrad
 from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT, Fp8Weight, quantize_act, quantize_act_t, quantize_weight
-from torch import Tensor
 
 __all__ = [
     "quantize_weight",

@@ -21,8 +21,9 @@ float8 cast does not round to nearest-even, the cast is done with integer arithm
 from dataclasses import dataclass
 
 import torch
-from fmoe.kernels._triton import interpreting, tl, triton, use_triton
 from torch import Tensor
+
+from fmoe.kernels._triton import interpreting, tl, triton, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

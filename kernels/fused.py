@@ -11,6 +11,8 @@ the gate-weighted sum of each token's k expert outputs, in one pass (its backwar
 """
 
 import torch
+from torch import Tensor
+
 from fmoe.kernels._triton import interpreting, num_sms, tl, triton, use_triton
 from fmoe.kernels.fp8_quant import (
     GROUP,
@@ -27,7 +29,6 @@ from fmoe.kernels.fp8_quant import (
     quantize_act_reference,
     quantize_act_t_reference,
 )
-from torch import Tensor
 
 # ----------------------------------------------------------------------------------------------
 # SwiGLU

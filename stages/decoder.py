@@ -44,12 +44,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from fmoe.stages import layers
 from fmoe.stages import moe as moe_blocks
 from fmoe.stages.family import Family, HFMapping, ModelSizes
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Model, Params, Stage, StageContext, Statistic
-from torch import Tensor
 
 Shapes = dict[str, tuple[int, ...]]
 EMBED = "model.embed_tokens.weight"

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from fmoe.stages import decoder, layers, rotary
 from fmoe.stages import family as fam
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Params, StageContext
-from torch import Tensor
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6

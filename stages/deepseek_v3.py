@@ -23,12 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
 from fmoe.stages import decoder, rotary
 from fmoe.stages import deepseek_v2 as v2
 from fmoe.stages import family as fam
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Params, StageContext
-from torch import Tensor
 
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"  # V3's name for the balancing bias
 # fields whose meaning is DeepSeek-V2's: they make the V2 config V2's stage functions run on

@@ -66,8 +66,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from fmoe.stages.spec import Model, Params
 from torch import Tensor
+
+from fmoe.stages.spec import Model, Params
 
 # fmoe's own families: registered name -> the module that exposes its FAMILY
 BUILTIN_FAMILIES: dict[str, str] = {

@@ -22,11 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
+
 from fmoe.stages import decoder, rotary
 from fmoe.stages import family as fam
 from fmoe.stages.primitives import grouped_linear, linear
 from fmoe.stages.spec import Params, StageContext
-from torch import Tensor
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

@@ -12,9 +12,10 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from fmoe.kernels._triton import use_triton
 from fmoe.stages.primitives import grouped_linear, linear
-from torch import Tensor
 
 
 def _fused(t: Tensor) -> bool:
@@ -249,6 +250,7 @@ def load_balancing_loss(probs: Tensor, ids: Tensor, num_experts: int, group=None
     prob_sum, tokens = probs.sum(dim=0), ids.shape[0]
     if group is not None:
         import torch.distributed as dist
+
         from fmoe.stages.context_parallel import all_reduce_sum
 
         dist.all_reduce(counts, group=group)

@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from fmoe.stages.layers import unpermute_rows
 from fmoe.stages.primitives import linear
-from torch import Tensor
 
 __all__ = [
     "DispatchPlan",

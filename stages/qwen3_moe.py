@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from torch import Tensor
+
 from fmoe.stages import decoder, layers, rotary
 from fmoe.stages import family as F
 from fmoe.stages import moe as moe_blocks
 from fmoe.stages.spec import Params, StageContext
-from torch import Tensor
 
 
 @dataclass(frozen=True)

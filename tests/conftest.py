@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from fmoe.stages import qwen3_moe  # noqa: E402
 
 
@@ -80,9 +81,8 @@ def assert_runner_matches_autograd(model, params, batch, num_microbatches: int =
 
 
 def _pipeline_worker(rank, world, group, schedule_name, model, params, batch, microbatches):
-    from fmoe.schedules import generate
-
     from fmoe import interpreter, pipeline, runner
+    from fmoe.schedules.generators import generate
 
     ref = runner.run_sequential(model, params, batch, microbatches)
     schedule = generate(schedule_name, world, microbatches)

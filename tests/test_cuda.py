@@ -346,8 +346,9 @@ def test_expert_sort_permute_and_scatter_compiled_equal_references():
 
 @pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION"])  # the ones with GQA
 def test_sdpa_backends_match_float32_math_attention(backend):
-    from fmoe.stages.layers import causal_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fmoe.stages.layers import causal_attention
 
     b, hq, hkv, s, d = 1, 32, 4, 4096, 128
     q = _randn(b, hq, s, d, seed=60, dtype=torch.bfloat16).requires_grad_()
@@ -420,10 +421,9 @@ def test_bf16_training_step_matches_float32_and_is_bitwise_reproducible():
 
 
 def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypatch):
+    from fmoe import runner
     from fmoe.kernels import fp8_linear
     from fmoe.stages.primitives import fp8_training
-
-    from fmoe import runner
 
     cfg, model, batch = _gpu_model()
     p32 = model.init(seed=0, dtype=torch.float32, device="cuda")

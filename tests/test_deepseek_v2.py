@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_pipeline_matches_sequential, assert_runner_matches_autograd, random_batch
-from fmoe.stages import deepseek_v2 as D
-from fmoe.stages.spec import StageContext
 
 from fmoe import data, expert_parallel, hf, recipe, runner
 from fmoe import dist as dist_helpers
 from fmoe import stage as S
+from fmoe.stages import deepseek_v2 as D
+from fmoe.stages.spec import StageContext
 from fmoe.train import train
 
 # layer 0 dense (first_k_dense_replace=1), layer 1 MoE

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_batch, relative_error
-from fmoe.stages import deepseek_v3 as D
-from fmoe.stages.spec import StageContext
 from test_deepseek_v2 import YARN, stage_cases
 
 from fmoe import data, hf, parallel, pipeline, recipe, runner
 from fmoe import dist as dist_helpers
 from fmoe import stage as S
+from fmoe.stages import deepseek_v3 as D
+from fmoe.stages.spec import StageContext
 from fmoe.train import train
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -257,9 +257,8 @@ def test_runner_step_equals_autograd_in_float64():
 
 
 def _pp_ep_worker(rank, world, group, cfg, params, batch, microbatches):
-    from fmoe.schedules import generate
-
     from fmoe.mesh import build_mesh
+    from fmoe.schedules.generators import generate
 
     model = D.build(cfg)
     mesh = build_mesh(2, 1, 1, 2)

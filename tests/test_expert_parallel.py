@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import random_batch, relative_error, tiny_config
-from fmoe.stages import moe, qwen3_moe
-from fmoe.stages.spec import StageContext
 
 from fmoe import expert_parallel as EP
 from fmoe import runner
 from fmoe import stage as S
+from fmoe.stages import moe, qwen3_moe
+from fmoe.stages.spec import StageContext
 
 LOCAL_BATCH, SEQ, LOCAL_MICROBATCHES = 2, 8, 2
 SCENARIOS = ("random", "all_to_one_expert", "last_rank_gets_none")

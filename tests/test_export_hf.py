@@ -10,12 +10,12 @@ import stat
 
 import pytest
 import torch
-from fmoe.stages import qwen3_moe
 from safetensors.torch import load_file
 from test_train import MODEL, toml_text
 
 from fmoe import checkpoint, cli, data, hf
 from fmoe import recipe as R
+from fmoe.stages import qwen3_moe
 
 
 @pytest.fixture

@@ -10,14 +10,14 @@ import textwrap
 import pytest
 import torch
 from conftest import random_batch, tiny_config
-from fmoe.stages import qwen3_moe
-from fmoe.stages.family import BUILTIN_FAMILIES, lookup
-from fmoe.stages.spec import Stage
 from test_train import recipe_dict, run_cli, toml_text
 
 from fmoe import expert_parallel, hf
 from fmoe import interpreter as I
 from fmoe import recipe as R
+from fmoe.stages import qwen3_moe
+from fmoe.stages.family import BUILTIN_FAMILIES, lookup
+from fmoe.stages.spec import Stage
 
 # A user's family outside fmoe: a MoE decoder whose config names nothing as fmoe's families do
 # (no vocab_size, num_hidden_layers, num_experts, max_position_embeddings), so the run can only

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
-from fmoe.stages.family import BUILTIN_FAMILIES
 from test_train import recipe_dict
 
 from fmoe import data, hf
 from fmoe import recipe as R
+from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
+from fmoe.stages.family import BUILTIN_FAMILIES
 from fmoe.train import train
 
 

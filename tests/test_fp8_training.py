@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
+
+from fmoe import runner
+from fmoe import stage as S
 from fmoe.kernels import _triton, fp8_gemm
 from fmoe.stages import primitives
 from fmoe.stages.primitives import fp8_training, grouped_linear, linear
 from fmoe.stages.spec import Stage, StageContext
-
-from fmoe import runner
-from fmoe import stage as S
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from fmoe.kernels import fused  # noqa: E402
 from fmoe.kernels._triton import use_triton  # noqa: E402
 from fmoe.stages import layers  # noqa: E402

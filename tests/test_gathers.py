@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch, tiny_config
-from fmoe.schedules import generate
-from fmoe.stages import qwen3_moe
 
 from fmoe import dist as D
 from fmoe import memory, parallel, pipeline
 from fmoe.mesh import build_mesh
+from fmoe.schedules.generators import generate
+from fmoe.stages import qwen3_moe
 
 CPU = torch.device("cpu")
 

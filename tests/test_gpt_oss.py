@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 from conftest import assert_pipeline_matches_sequential, assert_runner_matches_autograd, random_batch
-from fmoe.stages import gpt_oss as G
 from test_deepseek_v2 import (
     RECIPES,
     assert_b_and_w_equal_autograd,
@@ -19,6 +18,7 @@ from test_deepseek_v2 import (
 )
 
 from fmoe import hf, recipe
+from fmoe.stages import gpt_oss as G
 
 STAGES = ["embed"] + [
     f"layers.{i}.{n}" for i in (0, 1) for n in ("attn", "dispatch", "mlp", "combine", "aggregate")

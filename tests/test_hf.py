@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from fmoe.stages import qwen3_moe
 
 from fmoe import hf
+from fmoe.stages import qwen3_moe
 
 
 @pytest.mark.parametrize("dense_first", [False, True])

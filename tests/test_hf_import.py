@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
-from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
 from safetensors.torch import load_file, save_file
 
 from fmoe import cli, hf
+from fmoe.stages import deepseek_v2, gpt_oss, qwen3_moe
 
 FAMILY_MODULES = {"qwen3_moe": qwen3_moe, "deepseek_v2": deepseek_v2, "gpt_oss": gpt_oss}
 

@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
-from fmoe.schedules import ScheduleError, generate, read_csv, validate
-from fmoe.stages import qwen3_moe
 
 from fmoe import dist as D
 from fmoe import interpreter as I
 from fmoe import pipeline as P
 from fmoe import runner as R
+from fmoe.schedules.generators import generate
+from fmoe.schedules.table import ScheduleError, read_csv
+from fmoe.schedules.verify import validate
+from fmoe.stages import qwen3_moe
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipe", "dualpipev"]
 CSV = Path(__file__).with_name("pp2_handwritten_fb.csv")

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from fmoe.kernels import adamw as K  # noqa: E402
 from fmoe.kernels._triton import interpreting, use_triton  # noqa: E402
 

@@ -18,6 +18,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from fmoe.kernels import cross_entropy as ce  # noqa: E402
 from fmoe.kernels._triton import BACKEND_ENV, interpreting  # noqa: E402
 

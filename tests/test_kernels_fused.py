@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from fmoe.kernels import fp8_quant as fq  # noqa: E402
 from fmoe.kernels import fused  # noqa: E402
 from fmoe.kernels._triton import interpreting  # noqa: E402

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from fmoe.kernels import fp8_gemm as fg  # noqa: E402
 from fmoe.kernels import fp8_linear as fl  # noqa: E402
 from fmoe.kernels import fp8_quant as fq  # noqa: E402

@@ -19,6 +19,7 @@ import textwrap  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from fmoe.kernels import permute as P  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -1,8 +1,18 @@
-"""stages/, kernels/, schedules/ are importable as fmoe.stages, fmoe.kernels, fmoe.schedules in a
-normal and in an editable install, and no generic top-level name is installed."""
+"""stages/, kernels/, schedules/ and recipes/ are importable as fmoe.stages, fmoe.kernels,
+fmoe.schedules and fmoe.recipes - from a normal install, an editable install and an uninstalled
+checkout - and never as top-level packages that would shadow the PyPI packages of those names.
+
+The folders hold no ``__init__.py``: a folder without one is at most a namespace portion, which
+every regular package or module of the same name on ``sys.path`` wins over, wherever it stands.
+So ``python3 -m pytest`` or ``torchrun -m fmoe`` from the checkout's root (both put the root first on
+``sys.path``) import Hugging Face's ``kernels`` (which transformers >= 5.25 needs), not ours.
+``fmoe/stages`` etc. are links to the folders, so an uninstalled checkout imports them too.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -12,23 +22,31 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+FOLDERS = ("stages", "kernels", "schedules", "recipes")
+# one module of each folder, to show where fmoe.<folder> imports from
+MODULES = {
+    "stages": "qwen3_moe",
+    "kernels": "fp8_gemm",
+    "schedules": "table",
+    "recipes": None,  # data only: the package's folder is shown instead
+}
 PROBE = (
-    "import importlib.util, json;"
-    "names = ['fmoe', 'fmoe.stages', 'fmoe.kernels', 'fmoe.schedules', 'fmoe.recipes', 'stages', 'kernels'];"
-    "print(json.dumps({n: (s.origin if (s := importlib.util.find_spec(n)) else None) for n in names}))"
+    "import importlib, importlib.util, json;"
+    f"folders = {FOLDERS!r}; modules = {MODULES!r};"
+    "out = {'fmoe': importlib.util.find_spec('fmoe').origin};"
+    "out.update({f'fmoe.{f}': "
+    "  (importlib.import_module(f'fmoe.{f}.{m}').__file__ if m "
+    "   else list(importlib.import_module(f'fmoe.{f}').__path__)[0]) for f, m in modules.items()});"
+    "from importlib import resources;"
+    "out['tiny.toml'] = resources.files('fmoe.recipes').joinpath('tiny.toml').is_file();"
+    "print(json.dumps(out))"
 )
 
 
-def install_and_probe(tmp_path: Path, editable: bool) -> dict:
-    """Install the repository into a fresh venv and report where each name imports from.
-
-    The venv sees this test environment's packages (pip, setuptools, torch) through a .pth file,
-    not the base interpreter's: the base interpreter's setuptools may be too old for pyproject's
-    ``license = "Apache-2.0"`` (setuptools >= 77, which the test extra installs here). The build
-    runs without isolation and without an index: no download.
-    """
-    import json
-
+def make_venv(tmp_path: Path) -> Path:
+    """A venv that sees this test environment's packages (pip, setuptools, torch) through a .pth
+    file, not the base interpreter's: the base interpreter's setuptools may be too old for
+    pyproject's ``license = "Apache-2.0"`` (setuptools >= 77, which the test extra installs here)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -38,15 +56,27 @@ def install_and_probe(tmp_path: Path, editable: bool) -> dict:
     ).stdout.strip()  # fmt: skip
     ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (Path(nested) / "test_environment.pth").write_text("".join(f"{p}\n" for p in ours))
+    return py
+
+
+def install_and_probe(tmp_path: Path, editable: bool) -> tuple[dict, list[str]]:
+    """Install the repository into a fresh venv; report where each name imports from (run from
+    ``tmp_path``, not the checkout) and the files the installed distribution put into the venv.
+    The build runs without isolation and without an index: no download."""
+    py = make_venv(tmp_path)
     args = ["-e", str(REPO)] if editable else [str(REPO)]
     subprocess.run(
         [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *args],
         check=True,
         cwd=tmp_path,
-        env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PIP_NO_INDEX": "1", "HOME": str(tmp_path)},
+        env={"PATH": f"{py.parent}:/usr/bin:/bin", "PIP_NO_INDEX": "1", "HOME": str(tmp_path)},
     )
     out = subprocess.run([str(py), "-c", PROBE], check=True, cwd=tmp_path, capture_output=True, text=True)
-    return json.loads(out.stdout)
+    files = subprocess.run(
+        [str(py), "-c", "import importlib.metadata as m, json; print(json.dumps([str(f) for f in m.files('fmoe')]))"],
+        check=True, cwd=tmp_path, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return json.loads(out.stdout), json.loads(files)
 
 
 def test_the_build_requirement_can_read_the_license_field():
@@ -55,26 +85,90 @@ def test_the_build_requirement_can_read_the_license_field():
     assert setuptools_req == "setuptools>=77", "SPDX `license = ...` strings need setuptools >= 77"
 
 
+def test_the_top_level_folders_are_no_regular_packages_and_fmoe_links_them():
+    for folder in FOLDERS:
+        assert not (REPO / folder / "__init__.py").exists(), (
+            f"{folder}/__init__.py makes the checkout's {folder}/ a regular package that shadows "
+            f"PyPI's {folder!r} whenever the checkout's root is on sys.path"
+        )
+        link = REPO / "fmoe" / folder
+        assert link.is_symlink() and link.resolve() == REPO / folder, f"fmoe/{folder} -> ../{folder}"
+
+
 @pytest.mark.parametrize("editable", [False, True], ids=["normal", "editable"])
-def test_subpackages_map_into_the_fmoe_namespace(tmp_path, editable):
+def test_subpackages_map_into_the_fmoe_namespace_and_nothing_else_is_installed(tmp_path, editable):
     import setuptools
 
     major = int(setuptools.__version__.split(".")[0])
     assert major >= 77, f"setuptools {setuptools.__version__} here: install the test extra (setuptools>=77)"
-    origins = install_and_probe(tmp_path, editable)
+    origins, files = install_and_probe(tmp_path, editable)
     root = REPO if editable else tmp_path / "venv"
     assert Path(origins["fmoe"]).is_relative_to(root)
-    for sub, folder in (
-        ("stages", "stages"),
-        ("kernels", "kernels"),
-        ("schedules", "schedules"),
-        ("recipes", "recipes"),
-    ):
-        origin = Path(origins[f"fmoe.{sub}"])
-        assert origin.name == "__init__.py"
+    for folder, module in MODULES.items():
+        origin = Path(origins[f"fmoe.{folder}"])
         assert origin.is_relative_to(root), origin
         if editable:
-            assert origin.parent == REPO / folder
-    assert origins["stages"] is None and origins["kernels"] is None, (
-        "no top-level 'stages'/'kernels' installed"
-    )
+            assert origin.resolve().is_relative_to(REPO / folder), origin
+        else:
+            expected = "fmoe/" + folder + (f"/{module}.py" if module else "")
+            assert origin.as_posix().endswith(expected), origin
+    assert origins["tiny.toml"], "the shipped recipes are package data of fmoe.recipes"
+    # fmoe installs the fmoe package and its metadata, no generic top-level name (a legitimately
+    # installed `kernels` distribution, such as Hugging Face's, is another distribution's files)
+    tops = {Path(f).parts[0] for f in files if not f.startswith("..")}  # bin/fmoe lies outside site-packages
+    stray = {t for t in tops if t != "fmoe" and not t.startswith(("fmoe-", "__editable__", "__pycache__"))}
+    assert not stray, f"fmoe installs top-level names {sorted(stray)}"
+
+
+def stand_in_packages(where: Path) -> Path:
+    """Regular packages named like the checkout's folders, each saying where it is: what PyPI's
+    ``kernels``, ``stages``, ``schedules`` or ``recipes`` would be once installed."""
+    for folder in FOLDERS:
+        (where / folder).mkdir(parents=True)
+        (where / folder / "__init__.py").write_text(f"WHO = 'installed {folder}'\n")
+    return where
+
+
+def test_installed_packages_of_the_folders_names_win_from_the_checkout_root(tmp_path):
+    """From the checkout's root (first on sys.path, as `python3 -m pytest` and `torchrun -m` put it),
+    `import kernels` etc. give the installed packages, not the checkout's folders."""
+    site = stand_in_packages(tmp_path / "site")
+    probe = f"import json; print(json.dumps([__import__(n).WHO for n in {FOLDERS!r}]))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    assert json.loads(out) == [f"installed {f}" for f in FOLDERS]
+
+
+def test_hugging_faces_kernels_is_the_one_imported_under_pytest_from_the_root():
+    """This very process runs as the README's `python3 -m pytest` from the checkout's root."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or spec.origin is None:  # not installed: at most our folder as a namespace portion
+        locations = [] if spec is None else list(spec.submodule_search_locations)
+        assert all(not (Path(p) / "__init__.py").exists() for p in locations)
+        return
+    assert not Path(spec.origin).resolve().is_relative_to(REPO), spec.origin
+
+
+def test_an_uninstalled_checkout_imports_fmoe_and_its_folders(tmp_path):
+    """A copy of the checkout that was never installed runs `python -m fmoe` from its root and
+    imports its own fmoe.stages, fmoe.kernels and fmoe.schedules (not this environment's install)."""
+    copy = tmp_path / "checkout"
+    copy.mkdir()
+    for folder in ("fmoe", *FOLDERS):
+        shutil.copytree(
+            REPO / folder, copy / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=copy, check=True, capture_output=True, text=True
+    ).stdout
+    origins = json.loads(out)
+    for name in ("fmoe", *(f"fmoe.{f}" for f in FOLDERS)):
+        assert Path(origins[name]).is_relative_to(copy), (name, origins[name])
+    help_text = subprocess.run(
+        [sys.executable, "-m", "fmoe", "--help"], cwd=copy, check=True, capture_output=True, text=True
+    ).stdout
+    assert "train" in help_text

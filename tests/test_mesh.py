@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
-from fmoe.schedules import generate
-from fmoe.stages import qwen3_moe
 
 from fmoe import dist as D
 from fmoe import optim, parallel, pipeline, runner
 from fmoe.mesh import MeshError, build_mesh, check_sizes
+from fmoe.schedules.generators import generate
+from fmoe.stages import qwen3_moe
 
 MICROBATCHES = 2
 SEQ = 8

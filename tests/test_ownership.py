@@ -17,16 +17,17 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from fmoe.schedules import generate, read_csv
-from fmoe.stages import qwen3_moe
-from fmoe.stages.primitives import fp8_training, grouped_linear, linear
-from fmoe.stages.spec import CustomGrad, Model, Stage, StageContext
 
 from fmoe import dist as D
 from fmoe import interpreter as I
 from fmoe import pipeline as P
 from fmoe import runner as R
 from fmoe import stage as S
+from fmoe.schedules.generators import generate
+from fmoe.schedules.table import read_csv
+from fmoe.stages import qwen3_moe
+from fmoe.stages.primitives import fp8_training, grouped_linear, linear
+from fmoe.stages.spec import CustomGrad, Model, Stage, StageContext
 
 TOL = 1e-10
 F64 = torch.float64

@@ -161,10 +161,9 @@ def test_plan_within_ten_percent_of_the_measured_peak(monkeypatch):
 def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
     """(stage name, bytes its F saved for B - autograd's saved tensors, parameters left out -, the
     plan's formula) for every stage of a recipe's model at 2 x 64 tokens, float32 on CPU."""
-    from fmoe.stages.spec import StageContext
-
     from fmoe import runner
     from fmoe import stage as S
+    from fmoe.stages.spec import StageContext
 
     recipe = R.load(REPO / "recipes" / f"{recipe_name}.toml")
     cfg = recipe.model
@@ -238,7 +237,8 @@ def test_per_unit_gathers_plan_less_than_whole_step_gathers_for_data_parallel():
 def test_the_pipeline_walk_weights_the_simulators_in_flight_count():
     """With every chunk the same size, the walk's activation peak is the simulator's
     peak_activations times that size, rank by rank, for 1F1B, ZB-H1 and DualPipeV."""
-    from fmoe.schedules import generate, simulate
+    from fmoe.schedules.generators import generate
+    from fmoe.schedules.simulator import simulate
 
     for name in ("1f1b", "zb-h1", "dualpipev"):
         table = generate(name, 4, 8)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import relative_error
-from fmoe.stages.primitives import grouped_linear, linear, merge_grouped_weight_grads
-from fmoe.stages.spec import Stage, StageContext
 
 from fmoe import stage as S
+from fmoe.stages.primitives import grouped_linear, linear, merge_grouped_weight_grads
+from fmoe.stages.spec import Stage, StageContext
 
 # float64 (eps 2^-53 = 1.1e-16) GEMMs whose every element sums at most ~20 products, computed in
 # another order than the reference's: each result is within ~20 eps of |a| @ |b|; these random

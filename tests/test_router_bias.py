@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 from conftest import random_batch, tiny_config
-from fmoe.schedules import generate
-from fmoe.stages import moe, qwen3_moe
 from test_train import recipe_dict
 
 from fmoe import checkpoint, parallel, pipeline, runner
 from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe.mesh import build_mesh
+from fmoe.schedules.generators import generate
+from fmoe.stages import moe, qwen3_moe
 from fmoe.train import train
 
 RATE = 0.002

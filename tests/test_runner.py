@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_runner_matches_autograd, random_batch, tiny_config
-from fmoe.stages import qwen3_moe
-from fmoe.stages.primitives import DenseWeightGrad, linear
-from fmoe.stages.spec import CustomGrad, Stage, StageContext
 
 from fmoe import runner
 from fmoe import stage as S
+from fmoe.stages import qwen3_moe
+from fmoe.stages.primitives import DenseWeightGrad, linear
+from fmoe.stages.spec import CustomGrad, Stage, StageContext
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

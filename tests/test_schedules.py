@@ -4,24 +4,22 @@ import random
 from pathlib import Path
 
 import pytest
-from fmoe.schedules import (
+
+from fmoe.schedules.generators import GENERATORS, generate
+from fmoe.schedules.simulator import Costs, simulate
+from fmoe.schedules.table import (
     COMM,
-    GENERATORS,
     Action,
-    Costs,
     Schedule,
     ScheduleError,
     copy_of,
-    generate,
-    lower,
     microbatch_copy,
     num_stages,
     read_csv,
-    simulate,
     stage_of,
-    validate,
     write_csv,
 )
+from fmoe.schedules.verify import lower, validate
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[1] / "schedules"
 

@@ -1,7 +1,9 @@
 """`fmoe schedule show/check`: timelines, figures, files written, one-line errors."""
 
-from fmoe.schedules import generate, lower, read_csv, write_csv
 from fmoe.schedules.cli import main, parse_costs
+from fmoe.schedules.generators import generate
+from fmoe.schedules.table import read_csv, write_csv
+from fmoe.schedules.verify import lower
 
 
 def test_show_prints_timeline_and_figures_and_writes_png_and_csv(tmp_path, capsys):

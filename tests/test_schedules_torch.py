@@ -7,8 +7,10 @@ stages and a process group) and compare the compute order rank by rank, in stage
 
 import pytest
 import torch.distributed.pipelining.schedules as tps
-from fmoe.schedules import ScheduleError, generate, stage_of, validate
-from fmoe.schedules.table import Action, Schedule
+
+from fmoe.schedules.generators import generate
+from fmoe.schedules.table import Action, Schedule, ScheduleError, stage_of
+from fmoe.schedules.verify import validate
 
 PP, M = 4, 10
 # torch's names: F forward, I input backward, W weight backward, B full backward

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import relative_error, tiny_config
-from fmoe.stages import qwen3_moe
 from test_train import recipe_dict
 
 from fmoe import checkpoint, memory, optim, parallel
@@ -19,6 +18,7 @@ from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe import train as T
 from fmoe.mesh import build_mesh
+from fmoe.stages import qwen3_moe
 
 # ------------------------------------------------------------------------------------------------
 # resume on other layouts equals an unbroken run

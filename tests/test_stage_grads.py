@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
-from fmoe.stages import qwen3_moe
-from fmoe.stages.spec import StageContext
 
 from fmoe import runner
 from fmoe import stage as S
+from fmoe.stages import qwen3_moe
+from fmoe.stages.spec import StageContext
 
 # float64: the same per-op derivatives, accumulated in possibly another order (deferred weight
 # GEMMs, a gradient summed over several uses): within a few tens of eps = 1.1e-16 per element

@@ -14,9 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
-from fmoe.stages import deepseek_v2, deepseek_v3, gpt_oss, qwen3_moe
-from fmoe.stages.primitives import grouped_linear, linear
-from fmoe.stages.spec import StageContext
 from test_deepseek_v2 import stage_cases
 from test_deepseek_v2 import tiny as tiny_deepseek_v2
 from test_deepseek_v3 import tiny as tiny_deepseek_v3
@@ -24,6 +21,9 @@ from test_gpt_oss import tiny as tiny_gpt_oss
 from test_gpt_oss import with_random_biases
 
 from fmoe import stage as S
+from fmoe.stages import deepseek_v2, deepseek_v3, gpt_oss, qwen3_moe
+from fmoe.stages.primitives import grouped_linear, linear
+from fmoe.stages.spec import StageContext
 
 # float64: both sides run the same per-op derivatives, in possibly another order of accumulation
 # (a deferred weight GEMM, a gradient summed over several uses); each element is then within a few

@@ -165,9 +165,8 @@ def test_a_tokenizer_vocab_mismatch_is_named(tmp_path, dataset, capsys):
 
 
 def test_training_starts_from_an_imported_hugging_face_checkpoint(tmp_path, dataset, capsys):
-    from fmoe.stages import qwen3_moe
-
     from fmoe import hf
+    from fmoe.stages import qwen3_moe
 
     d = recipe_dict(tmp_path, dataset)
     cfg = R.from_dict(d).model

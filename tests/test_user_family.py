@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import relative_error
-from fmoe.stages.spec import StageContext
 
 from fmoe import runner
 from fmoe import stage as S
+from fmoe.stages.spec import StageContext
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -63,6 +63,7 @@ def stage_cases(model, params, batch):
 
 def test_the_readme_family_stages_b_and_w_equal_autograd_in_float64(user_folder):
     import my_gpt
+
     from fmoe.stages.family import lookup
 
     family = lookup("my_gpt")

@@ -1,1 +1,0 @@
-"""Runnable recipes (TOML) shipped with fmoe."""

@@ -1,1 +1,0 @@
-"""Model definitions as pure stage functions: building blocks and one module per family."""

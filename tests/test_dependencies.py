@@ -93,3 +93,33 @@ def test_the_optimizer_benchmark_runs_without_torchopt_and_says_why_its_cases_ar
     assert result["ms_per_step"]["fmoe_adamw_step"] > 0
     assert set(result["skipped"]) == {"torchopt_adamw", "torchopt_adamw_accelerated"}
     assert all("torchopt is not installed" in why for why in result["skipped"].values())
+
+
+KNOWN_GOOD = REPO / ".ci" / "known-good.txt"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a PEP 440 version: "2.13.0+cpu" -> (2, 13, 0), "5.0.0rc1" -> (5, 0, 0)."""
+    return tuple(int(re.match(r"\d+", part).group(0)) for part in version.split("+")[0].split(".")[:3])
+
+
+def test_the_known_good_versions_pin_every_dependency_within_pyproject_bounds():
+    """`.ci/known-good.txt` (the README's "reproducible test environment") pins every runtime and
+    test dependency at a version that pyproject's lower bound admits: a constraints file that misses
+    one, or pins one below its bound, reproduces nothing."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in KNOWN_GOOD.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"{KNOWN_GOOD.name}: {line!r} is not NAME==VERSION"
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    for requirement in wanted:
+        spec = requirement.split(";")[0].split("#")[0].strip()
+        name, _, bound = re.match(r"([A-Za-z0-9_.\-]+)\s*(>=\s*([0-9.]+))?", spec).groups()
+        name = name.lower().replace("_", "-")
+        assert name in pins, f"{KNOWN_GOOD.name} pins no version of {name}"
+        if bound:
+            assert _release(pins[name]) >= _release(bound), f"{name}=={pins[name]} is below {spec}"

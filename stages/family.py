@@ -188,7 +188,14 @@ class HFMapping:
         kwargs.update({k: v for k, v in hf.items() if k in names and k not in self.aliases})
         for field_name, keys in self.aliases.items():
             kwargs.update(aliased_field(hf, field_name, keys))
-        return self.config_class(**checked_kwargs(self.config_class, self.read(hf, kwargs)))
+        kwargs = self.read(hf, kwargs)
+        for f in fields(self.config_class):
+            no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if f.init and no_default and f.name not in kwargs:
+                raise ValueError(
+                    f"config.json lacks {f.name!r} ({self.config_class.__name__} has no default for it)"
+                )
+        return self.config_class(**checked_kwargs(self.config_class, kwargs))
 
 
 @dataclass(frozen=True)

@@ -153,3 +153,17 @@ def test_a_mapping_reads_its_familys_config_class_only(user_folder):
     other = HFMapping(recipe.DataConfig, architecture="X", model_type="x")
     with pytest.raises(TypeError, match=r"'my_gpt'.*DataConfig.*GPTConfig"):
         my_gpt.DECODER.family("my_gpt", my_gpt.GPTConfig, my_gpt.flops_per_token, hf=other)
+
+
+def test_a_config_field_without_default_that_config_json_lacks_is_named():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Sized:
+        width: int
+        depth: int = 2
+
+    mapping = HFMapping(Sized, architecture="SizedForCausalLM", model_type="sized")
+    assert mapping.config_from_hf({"width": 8}) == Sized(8)
+    with pytest.raises(ValueError, match=r"config\.json lacks 'width' \(Sized has no default for it\)"):
+        mapping.config_from_hf({"model_type": "sized", "depth": 3})

@@ -3,7 +3,7 @@
     fmoe train [RECIPE] [--set SECTION.KEY=VALUE ...]     train (the embedded tiny recipe by default)
     fmoe data build INPUTS... --out DIR [--tokenizer tokenizer.json|bytes] [--workers N]
     fmoe checkpoint export-hf CHECKPOINT --recipe RECIPE --out DIR [--overwrite] [--dtype float32|bfloat16]
-    fmoe checkpoint import-hf HF_DIR --out CHECKPOINT_DIR
+    fmoe checkpoint import-hf HF_DIR --out CHECKPOINT_DIR [--family NAME|module.path | --recipe RECIPE]
     fmoe schedule show NAME --pp P --microbatches M [--png FILE] [--csv FILE]
     fmoe schedule check FILE.csv
     fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting] [--set ...]
@@ -52,7 +52,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from fmoe import checkpoint, hf
     from fmoe import recipe as R
 
-    recipe = R.load(args.recipe)
+    recipe = R.load_model(args.recipe)  # [model] and data.tokenizer: an export reads no data
     path = Path(args.checkpoint)
     if (path / checkpoint.MODEL).is_file() is False:
         found = checkpoint.latest(path)
@@ -66,27 +66,28 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     try:
         out = hf.export_hf(
             recipe.model_family, recipe.model, params, args.out, dtype=dtype,
-            tokenizer=recipe.data.tokenizer, overwrite=args.overwrite, protect=(path,),
+            tokenizer=recipe.tokenizer, overwrite=args.overwrite, protect=(path,),
         )  # fmt: skip
     except hf.WeightsMismatch as e:
-        raise ValueError(f"{path} is not a checkpoint of {args.recipe}'s [model]: {e}") from None
+        raise hf.WeightsMismatch(f"{path} is not a checkpoint of {args.recipe}'s [model]: {e}") from None
     print(f"exported {path} -> {out}")
     return 0
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from fmoe import checkpoint, hf
+    from fmoe import hf
+    from fmoe import recipe as R
 
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        # a folder of checkpoints would lose them to keep-N (and the import to their higher steps)
-        raise ValueError(
-            f"{out}: --out is not an empty folder; import into a new (or empty) checkpoint folder"
+    # the family that reads the folder: named, the recipe's model.family, or config.json's model_type's
+    recipe = None if args.recipe is None else R.load_model(args.recipe)
+    family = args.family if recipe is None else recipe.model_family
+    try:
+        imported = hf.import_checkpoint(
+            args.hf_dir, args.out, family, None if recipe is None else recipe.model
         )
-    family, cfg, params = hf.import_hf(args.hf_dir)
-    trainer_state = {"step": 0, "imported_from": str(args.hf_dir), "family": family}
-    saved = checkpoint.save(out, 0, params, {}, trainer_state, keep=1)
-    print(f"imported {args.hf_dir} ({family}) -> {saved}")
+    except hf.WeightsMismatch as e:
+        raise hf.WeightsMismatch(f"{args.hf_dir} does not fit {args.recipe}'s [model]: {e}") from None
+    print(f"imported {args.hf_dir} ({imported.family}) -> {imported.path}")
     return 0
 
 
@@ -191,6 +192,13 @@ def parser() -> argparse.ArgumentParser:
     i = ck.add_parser("import-hf", help="Hugging Face folder -> checkpoint")
     i.add_argument("hf_dir")
     i.add_argument("--out", required=True)
+    reader = i.add_mutually_exclusive_group()
+    reader.add_argument("--family", metavar="NAME|module.path",
+                        help="the family that reads the folder: a builtin name or the import path of a module "
+                             "exposing FAMILY (default: the builtin family of config.json's model_type)")  # fmt: skip
+    reader.add_argument(
+        "--recipe", help="read it with this recipe's model.family; the weights must fit its [model]"
+    )
     i.set_defaults(fn=cmd_import_hf)
     return top
 

@@ -12,7 +12,9 @@ import os
 import secrets
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -23,17 +25,28 @@ from fmoe.checkpoint import LazyTensors, StreamedSafetensors
 from fmoe.stages.family import BUILTIN_FAMILIES, Family
 from fmoe.stages.family import lookup as family
 
-__all__ = ["ExportError", "WeightsMismatch", "export_hf", "family", "import_hf"]
+__all__ = [
+    "ExportError", "HFError", "ImportedCheckpoint", "WeightsMismatch", "export_hf", "family", "import_checkpoint",
+    "import_hf",
+]  # fmt: skip
+
+
+class HFError(ValueError):
+    """A Hugging Face folder fmoe cannot read, or a family that cannot read it; one line naming the
+    file, key, tensor or family."""
 
 
 def family_of_model_type(model_type: str) -> str:
-    """The builtin family whose Hugging Face ``model_type`` is ``model_type``; ValueError otherwise."""
+    """The builtin family whose Hugging Face ``model_type`` is ``model_type``; HFError otherwise."""
     for name in BUILTIN_FAMILIES:
         fam = family(name)
         if fam.hf is not None and fam.hf.model_type == model_type:
             return name
     known = sorted(f.hf.model_type for f in map(family, BUILTIN_FAMILIES) if f.hf is not None)
-    raise ValueError(f"unknown model_type {model_type!r} (known: {known}; name another family to import it)")
+    raise HFError(
+        f"unknown model_type {model_type!r} (builtin: {known}); name the family that reads it: "
+        "--family NAME|module.path or --recipe RECIPE"
+    )
 
 
 class ExportError(ValueError):
@@ -100,6 +113,27 @@ def _tokenizer_files(tokenizer: str | os.PathLike, max_length: int) -> dict[str,
     }
 
 
+def special_token_ids(tokenizer: str | os.PathLike | None) -> dict[str, int | None]:
+    """config.json's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a model trained on
+    data ``tokenizer`` built (what transformers' ``generate`` starts from, stops at and pads with).
+
+    eos_token_id: the data's end-of-document id (``fmoe.data.load_tokenizer``: 256 for "bytes", the
+    EOS token's id for a tokenizer.json), which ``fmoe data build`` appends to every document.
+    bos_token_id: the same id. The data build adds no BOS token (it encodes without special
+    tokens), so every document but the stream's first starts right after an EOS: that is the
+    token the model learned to begin a document from (GPT-2's convention), with the byte tokenizer
+    too, which has no other special token.
+    pad_token_id: None: packed sequences hold no padding; the model never saw a pad token.
+    tokenizer None (no tokenizer exported, ids unknown): all three None, transformers' defaults.
+    """
+    from fmoe.data import load_tokenizer
+
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    eos = load_tokenizer(tokenizer).eos_id  # FileNotFoundError / ValueError naming the file
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
+
+
 def _check_out_dir(out_dir: Path, overwrite: bool, protect: tuple[Path, ...]) -> None:
     """Refuse an output folder whose contents fmoe would destroy (ExportError naming it)."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -153,6 +187,22 @@ def _write_converted(writer, fam: Family, cfg, name: str, t: Tensor, dtype: torc
         writer.write(key, v)
 
 
+def _token_ids(hf_config: Mapping, from_tokenizer: Mapping[str, int | None]) -> dict[str, int | None]:
+    """The special-token ids config.json gets: a family whose config carries one (its hf_config
+    writes it) keeps it; the tokenizer's (``special_token_ids``) fill the rest. ExportError when the
+    two name different ids: the exported tokenizer would not encode what the config says."""
+    ids = dict(from_tokenizer)
+    for key, ours in from_tokenizer.items():
+        theirs = hf_config.get(key)
+        if theirs is not None and ours is not None and theirs != ours:
+            raise ExportError(
+                f"the model config's {key} is {theirs}, the tokenizer's is {ours}: make them agree"
+            )
+        if theirs is not None:
+            ids[key] = theirs
+    return ids
+
+
 def _umask() -> int:
     """The process's umask (reading it means setting it; it is put back at once)."""
     mask = os.umask(0o077)
@@ -179,7 +229,8 @@ def export_hf(
     dtype: the tensors' dtype in the file (None: as in ``params``, the checkpoint's own dtype).
     tokenizer: "bytes" or a tokenizer.json path: the data's tokenizer, written beside the model
     (tokenizer.json + tokenizer_config.json) so ``AutoTokenizer.from_pretrained`` gives the ids
-    fmoe trained on; None writes none.
+    fmoe trained on, and its special-token ids into config.json (``special_token_ids``); None
+    writes no tokenizer and null ids.
     overwrite: replace a non-empty ``out_dir`` (else ExportError, nothing touched). The export is
     written to a new sibling folder and renamed into place, so ``out_dir`` is only replaced once the
     new one is complete. protect: folders ``out_dir`` must neither be nor contain (the source).
@@ -207,6 +258,7 @@ def export_hf(
             specs.append((key, v.dtype, tuple(v.shape)))
     longest = fam.sizes(cfg).max_positions or 10**30  # transformers' "no limit" is as large
     files = {} if tokenizer is None else _tokenizer_files(tokenizer, longest)
+    token_ids = _token_ids(fam.hf_config(cfg), special_token_ids(tokenizer))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")
@@ -219,6 +271,7 @@ def export_hf(
         os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())
         config = fam.hf_config(cfg)
         config["torch_dtype"] = str(specs[0][1]).removeprefix("torch.")
+        config.update(token_ids)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, contents in files.items():
             (tmp / name).write_bytes(contents)
@@ -234,13 +287,23 @@ def export_hf(
     return out_dir
 
 
+def _family(name: str) -> Family:
+    """The family ``name`` names (a builtin name or a module's import path), HFError naming it otherwise."""
+    try:
+        return family(name)
+    except ValueError as e:
+        raise HFError(str(e)) from None
+
+
 def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, object, dict[str, Tensor]]:
     """Read a Hugging Face folder (config.json + one or more *.safetensors) -> (family, config, params).
 
+    family_name: the family that reads it, a builtin name or the import path of a module exposing
+    ``FAMILY`` (``fmoe.stages.family.lookup``); None: the builtin family of config.json's model_type.
     Nothing is guessed or dropped: every config.json key must be one the family honours or knows to
     be harmless (the ``honoured_fields`` / ``pinned_fields`` / ``metadata_fields`` of its ``hf``
     mapping), and every tensor must be one the config implies, at the shape it implies. Any other
-    case raises a one-line ValueError naming the file and the key or tensor.
+    case raises a one-line HFError naming the file and the key or tensor (or the family).
     """
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -249,22 +312,26 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     try:
         hf = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+        raise HFError(f"{config_path}: not valid JSON ({e})") from None
     if not isinstance(hf, dict):
-        raise ValueError(f"{config_path}: not a JSON object")
+        raise HFError(f"{config_path}: not a JSON object")
     model_type = hf.get("model_type")
     if family_name is None:
         if model_type is None:
-            raise ValueError(f"{config_path}: no model_type (known families: {sorted(BUILTIN_FAMILIES)})")
+            raise HFError(f"{config_path}: no model_type (known families: {sorted(BUILTIN_FAMILIES)})")
         try:
             family_name = family_of_model_type(model_type)
-        except ValueError as e:
-            raise ValueError(f"{config_path}: {e}") from None
-    name = family_name
-    fam = family(name)
-    if model_type is not None and model_type != fam.hf_mapping().model_type:
-        raise ValueError(
-            f"{config_path}: model_type {model_type!r} is not the family asked for, {family_name!r}"
+        except HFError as e:
+            raise HFError(f"{config_path}: {e}") from None
+    fam = _family(family_name)
+    try:
+        mapping = fam.hf_mapping()
+    except ValueError as e:
+        raise HFError(str(e)) from None
+    if model_type is not None and model_type != mapping.model_type:
+        raise HFError(
+            f"{config_path}: model_type {model_type!r} is not the family asked for, {family_name!r} "
+            f"(it reads {mapping.model_type!r})"
         )
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -272,20 +339,54 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     try:
         cfg = fam.config_from_hf(hf)
     except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from None
+        raise HFError(f"{config_path}: {e}") from None
     tensors: dict[str, Tensor] = {}
     for f in files:
         try:
             loaded = load_file(f)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{f}: unreadable safetensors file ({e})") from None
+            raise HFError(f"{f}: unreadable safetensors file ({e})") from None
         twice = sorted(set(loaded) & set(tensors))
         if twice:
-            raise ValueError(f"{f}: tensor {twice[0]!r} is also in another *.safetensors file of the folder")
+            raise HFError(f"{f}: tensor {twice[0]!r} is also in another *.safetensors file of the folder")
         tensors.update(loaded)
     try:
-        return name, cfg, fam.from_hf(cfg, tensors)
+        return family_name, cfg, fam.from_hf(cfg, tensors)
     except KeyError as e:
-        raise ValueError(f"{folder}: {e.args[0]}") from None
+        raise HFError(f"{folder}: {e.args[0]}") from None
     except ValueError as e:
-        raise ValueError(f"{folder}: {e}") from None
+        raise HFError(f"{folder}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ImportedCheckpoint:
+    """What ``import_checkpoint`` wrote: the checkpoint's step folder, the family that read the
+    Hugging Face folder (as a recipe's model.family names it) and the config config.json gave."""
+
+    path: Path
+    family: str
+    config: Any
+
+
+def import_checkpoint(
+    folder: str | Path, out: str | Path, family_name: str | None = None, model: Any = None
+) -> ImportedCheckpoint:
+    """Import a Hugging Face folder (``import_hf``) into a new fmoe checkpoint folder ``out``: step 0,
+    the params, no optimizer state (what ``fmoe checkpoint import-hf`` does; ``fmoe train`` resumes
+    from it with a recipe whose [model] fits).
+
+    family_name: as ``import_hf``'s. model: a recipe's [model] config the weights must fit
+    (WeightsMismatch naming the first tensor that does not), or None. ``out`` must be missing or
+    empty (HFError): a folder of checkpoints would lose them to keep-N, and the import to their
+    higher steps.
+    """
+    from fmoe import checkpoint
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HFError(f"{out}: --out is not an empty folder; import into a new (or empty) checkpoint folder")
+    name, cfg, params = import_hf(folder, family_name)
+    if model is not None:
+        _check_params_fit(_family(name), model, {n: (tuple(t.shape), t.dtype) for n, t in params.items()})
+    trainer_state = {"step": 0, "imported_from": str(folder), "family": name}
+    return ImportedCheckpoint(checkpoint.save(out, 0, params, {}, trainer_state, keep=1), name, cfg)

@@ -319,11 +319,8 @@ def from_dict(data: dict, path: str = "recipe") -> Recipe:
     unknown = sorted(set(data) - {"model", *SECTIONS})
     if unknown:
         raise RecipeError(f"{path}: unknown section [{unknown[0]}] (known: model, {', '.join(SECTIONS)})")
-    model = dict(data.pop("model", {}))
-    family = model.pop("family", "qwen3_moe")
-    if not isinstance(family, str):
-        raise RecipeError(f"{path}: model.family must be str, got {family!r}")
-    cfg = build_dataclass(model_family(family, path).config_class, model, f"{path}: model")
+    model = model_of(data, path)
+    family, cfg = model.model_family, model.model
     sections = {
         name: build_dataclass(cls, data.get(name, {}), f"{path}: {name}") for name, cls in SECTIONS.items()
     }
@@ -334,6 +331,40 @@ def from_dict(data: dict, path: str = "recipe") -> Recipe:
 
 def load(path: str | Path, overrides: dict | None = None) -> Recipe:
     """Read and validate a recipe TOML. overrides: {"train.steps": 10, ...} applied on top."""
+    return from_dict(read_toml(path, overrides), str(path))
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """What converting a checkpoint reads of a recipe: model.family, its config (the rest of
+    [model]) and data.tokenizer (written beside an exported model)."""
+
+    model_family: str
+    model: Any
+    tokenizer: str
+
+
+def model_of(data: dict, path: str = "recipe") -> ModelRecipe:
+    """A parsed recipe's [model] (and data.tokenizer, type-checked) built alone: the other sections
+    are neither built nor cross-checked against it."""
+    model = dict(data.get("model", {}))
+    family = model.pop("family", "qwen3_moe")
+    if not isinstance(family, str):
+        raise RecipeError(f"{path}: model.family must be str, got {family!r}")
+    cfg = build_dataclass(model_family(family, path).config_class, model, f"{path}: model")
+    tokenizer = build_dataclass(DataConfig, data.get("data", {}), f"{path}: data").tokenizer
+    return ModelRecipe(family, cfg, tokenizer)
+
+
+def load_model(path: str | Path) -> ModelRecipe:
+    """A recipe's [model] alone (``model_of``): what ``fmoe checkpoint export-hf`` / ``import-hf``
+    need. A conversion reads no data and runs no step, so nothing else of the recipe is checked
+    (data.seq_len may exceed the model's longest sequence; the data need not exist)."""
+    return model_of(read_toml(path), str(path))
+
+
+def read_toml(path: str | Path, overrides: dict | None = None) -> dict:
+    """A recipe TOML parsed (RecipeError naming the file), with overrides applied on top."""
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"{path}: recipe file not found")
@@ -350,7 +381,7 @@ def load(path: str | Path, overrides: dict | None = None) -> Recipe:
         if not name:
             raise RecipeError(f"override {key!r} must be SECTION.KEY=VALUE")
         data.setdefault(section, {})[name] = value
-    return from_dict(data, str(path))
+    return data
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -309,83 +309,40 @@ def train_flops_per_token(cfg: DeepseekV2Config, seq: int) -> float:
 # conversion mapping stacks them on load); everything else under the same names as here. config.json
 # keys are honoured, pinned or metadata, as in fmoe.stages.qwen3_moe; anything else is refused.
 
-FMOE_ONLY_FIELDS = ("moe_capacity_factor", "rope_theta", "rope_scaling")
-# num_experts: transformers' alias of n_routed_experts; rope_parameters (transformers 5: default or
-# yarn) or rope_theta + rope_scaling (the hub / transformers 4: null or yarn)
-HF_HONOURED_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "num_experts",
-    "num_experts_per_tok", "routed_scaling_factor", "topk_method", "n_group", "topk_group", "norm_topk_prob",
-    "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings",
-    "tie_word_embeddings", "initializer_range", "aux_loss_alpha",
-})  # fmt: skip
 # transformers' DeepseekV2Config defaults, for keys config.json omits (rope_theta 10000, plain RoPE)
 HF_DEFAULTS = {
-    "vocab_size": 102400,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": None,
-    "max_position_embeddings": 2048,
-    "initializer_range": 0.02,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "first_k_dense_replace": 0,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "n_group": None,
-    "n_routed_experts": 64,
-    "n_shared_experts": 2,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "routed_scaling_factor": 1.0,
-    "topk_group": None,
-    "topk_method": "greedy",
-    "norm_topk_prob": False,
-    "v_head_dim": 128,
-    "num_experts_per_tok": None,
+    "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "max_position_embeddings": 2048,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "first_k_dense_replace": 0,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "n_group": None, "n_routed_experts": 64, "n_shared_experts": 2,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_group": None,
+    "topk_method": "greedy", "norm_topk_prob": False, "v_head_dim": 128, "num_experts_per_tok": None,
     "moe_intermediate_size": 1407,
-}
+}  # fmt: skip
 HF_DEFAULT_ROPE_THETA = 10000.0
 
 
-def to_hf(cfg: DeepseekV2Config, params: Params) -> dict[str, Tensor]:
-    """fmoe params -> Hugging Face hub tensors (per-expert gate/up/down projections)."""
-    return fam.unstack_hub_experts(params)
+def write_hf(cfg: DeepseekV2Config) -> dict:
+    """config.json's keys besides the fields: the rope (transformers 5's rope_parameters) and what
+    transformers' DeepseekV2 reads that fmoe's math fixes."""
+    rope = rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
+    return dict(rope_parameters=rope, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                head_dim=cfg.qk_rope_head_dim)  # fmt: skip
 
 
-def from_hf(cfg: DeepseekV2Config, tensors: Params) -> dict[str, Tensor]:
-    """Hugging Face tensors (hub per-expert layout or transformers' stacked layout) -> fmoe params.
-
-    Raises KeyError naming the first missing tensor, ValueError naming a tensor of the wrong shape
-    or one the config has no place for.
-    """
-    return fam.stack_hub_experts(param_shapes(cfg), cfg.n_routed_experts, tensors, cfg.tie_word_embeddings)
+def read_hf(hf: Mapping, kwargs: dict) -> dict:
+    """The rope from rope_parameters (transformers 5: default or yarn) or rope_theta + rope_scaling
+    (the hub / transformers 4: null or yarn)."""
+    theta, scaling = rotary.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
+    return kwargs | {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def hf_config(cfg: DeepseekV2Config) -> dict:
-    """config.json for transformers' DeepseekV2ForCausalLM."""
-    out = fam.hf_config_fields(cfg, HF, FMOE_ONLY_FIELDS)
-    out["rope_parameters"] = rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
-    out.update(hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=cfg.qk_rope_head_dim)
-    return out
-
-
-def config_from_hf(hf: Mapping) -> DeepseekV2Config:
-    """Our config from a config.json dict: every key honoured, pinned or metadata (HF_HONOURED_FIELDS
-    ...), a key it omits at transformers' default; ValueError names an unknown key or bad value."""
-    aliases = {"n_routed_experts": ("n_routed_experts", "num_experts")}
-    kwargs = fam.hf_kwargs(hf, DeepseekV2Config, HF, HF_DEFAULTS, FMOE_ONLY_FIELDS, aliases)
-    kwargs["rope_theta"], kwargs["rope_scaling"] = rotary.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
-    return DeepseekV2Config(**fam.checked_kwargs(DeepseekV2Config, kwargs))
-
-
+# tensors: the hub's layout (above), HFMapping's default to_hf / from_hf
 HF = fam.HFMapping(
-    architecture="DeepseekV2ForCausalLM",
-    model_type="deepseek_v2",
-    honoured_fields=HF_HONOURED_FIELDS,
+    DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", defaults=HF_DEFAULTS,
+    not_in_hf=("moe_capacity_factor", "rope_theta", "rope_scaling"),
+    aliases={"n_routed_experts": ("n_routed_experts", "num_experts")},  # transformers' alias
+    extra_honoured=fam.HF_ROPE_KEYS,
     pinned_fields={
         "hidden_act": ("silu",),
         "attention_bias": (False,),  # q_a / kv_a / o projection biases: not implemented
@@ -395,18 +352,16 @@ HF = fam.HFMapping(
         "scoring_func": ("softmax",),  # the hub's remote code: the router's softmax
         "quantization_config": (None,),
     },
-    metadata_fields=fam.HF_COMMON_METADATA_FIELDS
-    | {
+    extra_metadata=frozenset({
         "head_dim",  # transformers recomputes it as qk_rope_head_dim
         "qk_head_dim",  # transformers recomputes it as qk_nope_head_dim + qk_rope_head_dim
         "pretraining_tp",  # the hub's remote code: tensor-parallel slicing of the same products
         "ep_size",  # the hub's remote code: its expert-parallel degree
         "seq_aux",  # the hub's remote code: the aux loss's form (fmoe's is its own, see aux_loss_alpha)
         "auto_map",  # the hub's remote-code pointer (fmoe, like transformers 5, reads the weights itself)
-    },
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
-    config_from_hf=config_from_hf,
-)
+    }),
+    write=write_hf, read=read_hf,
+)  # fmt: skip
+# its conversions under their usual names
+hf_config, config_from_hf = HF.hf_config, HF.config_from_hf
 FAMILY = DECODER.family("deepseek_v2", DeepseekV2Config, train_flops_per_token, HF)

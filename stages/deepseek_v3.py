@@ -19,7 +19,6 @@ prediction (``num_nextn_predict_layers`` > 0) is refused. Parameter names are tr
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -221,7 +220,6 @@ def train_flops_per_token(cfg: DeepseekV3Config, seq: int) -> float:
 # Hugging Face checkpoint layout: as DeepSeek-V2's (experts one by one on the hub), with the router
 # biases stored too. config.json keys are honoured, pinned or metadata (``fam.check_hf_fields``).
 
-FMOE_ONLY_FIELDS = ("moe_capacity_factor", "moe_router_bias_update_rate", "rope_theta", "rope_scaling")
 # transformers' DeepseekV3Config defaults, for keys config.json omits (rope_theta 10000, plain RoPE)
 HF_DEFAULTS = {k: v for k, v in v2.HF_DEFAULTS.items() if k != "topk_method"} | {
     "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
@@ -232,41 +230,22 @@ HF_DEFAULTS = {k: v for k, v in v2.HF_DEFAULTS.items() if k != "topk_method"} | 
 }  # fmt: skip
 
 
-def to_hf(cfg: DeepseekV3Config, params: Params) -> dict[str, Tensor]:
-    """fmoe params -> Hugging Face hub tensors (per-expert projections; the router biases kept)."""
-    return fam.unstack_hub_experts(params)
-
-
-def from_hf(cfg: DeepseekV3Config, tensors: Params) -> dict[str, Tensor]:
-    """Hugging Face tensors (hub per-expert or transformers' stacked layout) -> fmoe params; KeyError
-    names a missing tensor (a router bias too: V3 checkpoints hold them), ValueError a misfit."""
-    return fam.stack_hub_experts(param_shapes(cfg), cfg.n_routed_experts, tensors, cfg.tie_word_embeddings)
-
-
-def hf_config(cfg: DeepseekV3Config) -> dict:
-    """config.json for transformers' DeepseekV3ForCausalLM."""
-    out = fam.hf_config_fields(cfg, HF, FMOE_ONLY_FIELDS)
-    out.update(
+def write_hf(cfg: DeepseekV3Config) -> dict:
+    """config.json's keys besides the fields: the rope, V3's router and layout, what fmoe's math fixes."""
+    return dict(
         rope_parameters=rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling), topk_method="noaux_tc",
         scoring_func="sigmoid", rope_interleave=True, num_nextn_predict_layers=0, hidden_act="silu",
         attention_bias=False, head_dim=cfg.qk_rope_head_dim,
     )  # fmt: skip
-    return out
 
 
-def config_from_hf(hf: Mapping) -> DeepseekV3Config:
-    """Our config from a config.json dict; ValueError names an unknown key or an unsupported value
-    (multi-token prediction: ``num_nextn_predict_layers`` > 0)."""
-    aliases = {"n_routed_experts": ("n_routed_experts", "num_experts", "num_local_experts")}
-    kwargs = fam.hf_kwargs(hf, DeepseekV3Config, HF, HF_DEFAULTS, FMOE_ONLY_FIELDS, aliases)
-    kwargs["rope_theta"], kwargs["rope_scaling"] = rotary.rope_from_hf(hf, v2.HF_DEFAULT_ROPE_THETA)
-    return DeepseekV3Config(**fam.checked_kwargs(DeepseekV3Config, kwargs))
-
-
+# tensors: the hub's layout, the router biases included (V3 checkpoints hold them; a missing one
+# is refused by name): HFMapping's default to_hf / from_hf. Multi-token prediction is refused.
 HF = fam.HFMapping(
-    architecture="DeepseekV3ForCausalLM",
-    model_type="deepseek_v3",
-    honoured_fields=(v2.HF_HONOURED_FIELDS - {"topk_method"}) | {"num_local_experts"},
+    DeepseekV3Config, "DeepseekV3ForCausalLM", "deepseek_v3", defaults=HF_DEFAULTS,
+    not_in_hf=("moe_capacity_factor", "moe_router_bias_update_rate", "rope_theta", "rope_scaling"),
+    aliases={"n_routed_experts": ("n_routed_experts", "num_experts", "num_local_experts")},
+    extra_honoured=fam.HF_ROPE_KEYS,
     pinned_fields={
         **v2.HF.pinned_fields,
         "topk_method": ("noaux_tc",),  # the hub's remote code: V3's group-limited sigmoid choice
@@ -275,10 +254,8 @@ HF = fam.HFMapping(
         "num_nextn_predict_layers": (0,),  # multi-token prediction modules: not implemented
         "num_mtp_layers": (0,),  # transformers' alias of num_nextn_predict_layers
     },
-    metadata_fields=v2.HF.metadata_fields,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
-    config_from_hf=config_from_hf,
-)
+    extra_metadata=v2.HF.extra_metadata, write=write_hf, read=v2.read_hf,
+)  # fmt: skip
+# its conversions under their usual names
+hf_config, config_from_hf = HF.hf_config, HF.config_from_hf
 FAMILY = DECODER.family("deepseek_v3", DeepseekV3Config, train_flops_per_token, HF)

@@ -14,7 +14,7 @@ combine / aggregate / head stages with their roles, parameter shapes, seeded ini
     # mypkg/my_family.py
     from dataclasses import dataclass
     from fmoe.stages import decoder, layers
-    from fmoe.stages.family import HFMapping   # only to export / import Hugging Face checkpoints
+    from fmoe.stages.family import HFMapping
 
     @dataclass(frozen=True)
     class MyConfig:            # frozen dataclass; the recipe's [model] table fills it, field by field
@@ -38,7 +38,9 @@ combine / aggregate / head stages with their roles, parameter shapes, seeded ini
 
     DECODER = decoder.MoEDecoder(dims, attention, attention_shapes, router, router_shapes,
                                  decoder.swiglu_experts, expert_shapes)
-    FAMILY = DECODER.family("my_family", MyConfig, train_flops_per_token=my_flops)
+    # only to export / import Hugging Face checkpoints: config.json holds MyConfig's fields by name
+    HF = HFMapping(MyConfig, architecture="MyForCausalLM", model_type="my_family")
+    FAMILY = DECODER.family("my_family", MyConfig, train_flops_per_token=my_flops, hf=HF)
 
 and a recipe says ``[model] family = "mypkg.my_family"``. Optional hooks of ``MoEDecoder``: shared
 experts, dense layers, the norm (LayerNorm with a bias, ...), the embedding (learned positions),
@@ -47,11 +49,13 @@ how each parameter starts. tests/test_family.py holds a complete one.
 A family that is no decoder fills ``Family`` itself: ``build(cfg)`` returns a ``spec.Model`` whose
 stages carry their ``role`` (``spec.ROLES``); a "dispatch" stage's inputs start with
 ``spec.RoutedTokens``. ``hf`` (``HFMapping``) is what ``fmoe export-hf`` / ``import-hf`` need; a
-family without it trains and checkpoints, and refuses export by name.
+family without it trains and checkpoints, and refuses export by name. A mapping states only what
+is its family's own (transformers' defaults, aliases, pinned values, extra config.json keys); the
+honoured keys, config.json and the config read back follow from the config class's fields.
 
 Also here: the helpers families share to read a Hugging Face config.json without trusting a key
-it does not know (``check_hf_fields``, ``checked_kwargs``, ``aliased_field``, ``hf_kwargs``) and
-to read tensors (``check_shape``, ``refuse_surplus``, ``stack_hub_experts``).
+it does not know (``check_hf_fields``, ``checked_kwargs``, ``aliased_field``) and to read tensors
+(``check_shape``, ``refuse_surplus``, ``stack_hub_experts``).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ import json
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -96,28 +100,102 @@ class ModelSizes:
     max_positions_field: str = "max_position_embeddings"
 
 
+def _no_keys(cfg: Any) -> dict:
+    """``HFMapping.write``'s default: no config.json keys besides the config's fields."""
+    return {}
+
+
+def _as_read(hf: Mapping, kwargs: dict) -> dict:
+    """``HFMapping.read``'s default: the fields as config.json and ``defaults`` give them."""
+    return kwargs
+
+
+def hub_to_hf(cfg: Any, params: Params) -> dict[str, Tensor]:
+    """``HFMapping.to_hf``'s default, the hub's layout: names as fmoe's, stacked experts one by one
+    (``unstack_hub_experts``)."""
+    return unstack_hub_experts(params)
+
+
 @dataclass(frozen=True)
 class HFMapping:
     """How a family's checkpoints map to Hugging Face's (``fmoe.hf`` writes and reads the files).
 
+    A mapping states what is its family's own; the rest follows from ``config_class``, whose fields
+    are named as config.json names them:
+
+    config_class: the family's config dataclass (``Family.config_class``).
     architecture / model_type: config.json's ``architectures[0]`` and ``model_type``.
-    honoured_fields: config.json keys the import sets or checks a config field from; pinned_fields:
-    keys accepted only at the listed values (the math fmoe implements); metadata_fields: keys that
-    change nothing the model computes. Any other key is refused by ``config_from_hf``.
-    to_hf(cfg, params) -> HF tensors; from_hf(cfg, tensors) -> params (KeyError naming a missing
-    tensor, ValueError naming a misshapen or surplus one); hf_config(cfg) -> config.json dict;
-    config_from_hf(config.json dict) -> cfg (ValueError naming the key).
+    defaults: transformers' values for the keys a config.json omits (what transformers itself would
+    use); a field missing here and in config.json takes ``config_class``'s default.
+    not_in_hf: config fields config.json does not hold under their own names: fmoe's training
+    settings, and fields ``write`` / ``read`` convert (rope parameters).
+    aliases: {config field: config.json keys naming the same quantity} (transformers 4's and 5's).
+    pinned_fields: keys accepted only at the listed values (the math fmoe implements).
+    extra_honoured: keys ``read`` sets or checks a field from, besides the fields' names and aliases.
+    extra_metadata: keys that change nothing the model computes, besides HF_COMMON_METADATA_FIELDS.
+    write(cfg) -> config.json keys besides the fields (derived values, constants transformers reads).
+    read(config.json, kwargs) -> kwargs: the family's fix-ups of the fields before the config is built.
+    to_hf(cfg, params) -> HF tensors (default: the hub's layout, experts one by one);
+    from_hf(cfg, tensors) -> params (KeyError naming a missing tensor, ValueError naming a misshapen or
+    surplus one); None: the hub's layout read at ``Family.param_shapes`` (``Family.from_hf``).
+
+    Derived: ``honoured_fields`` (keys that set or check a field), ``metadata_fields``,
+    ``hf_config(cfg)`` (config.json) and ``config_from_hf(config.json)`` (the config; any key neither
+    honoured, pinned nor metadata is refused by name).
     """
 
+    config_class: type
     architecture: str
     model_type: str
-    honoured_fields: frozenset[str]
-    pinned_fields: Mapping[str, tuple]
-    metadata_fields: frozenset[str]
-    to_hf: Callable[[Any, Params], dict[str, Tensor]]
-    from_hf: Callable[[Any, Params], dict[str, Tensor]]
-    hf_config: Callable[[Any], dict]
-    config_from_hf: Callable[[Mapping], Any]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    not_in_hf: tuple[str, ...] = ()
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    pinned_fields: Mapping[str, tuple] = field(default_factory=dict)
+    extra_honoured: frozenset[str] = frozenset()
+    extra_metadata: frozenset[str] = frozenset()
+    write: Callable[[Any], dict] = _no_keys
+    read: Callable[[Mapping, dict], dict] = _as_read
+    to_hf: Callable[[Any, Params], dict[str, Tensor]] = hub_to_hf
+    from_hf: Callable[[Any, Params], dict[str, Tensor]] | None = None
+
+    @property
+    def honoured_fields(self) -> frozenset[str]:
+        """config.json keys that set or check a config field."""
+        names = {f.name for f in fields(self.config_class) if f.init and f.name not in self.not_in_hf}
+        return frozenset(names | {k for keys in self.aliases.values() for k in keys} | self.extra_honoured)
+
+    @property
+    def metadata_fields(self) -> frozenset[str]:
+        """config.json keys that change nothing the model computes."""
+        return HF_COMMON_METADATA_FIELDS | self.extra_metadata
+
+    def hf_config(self, cfg: Any) -> dict:
+        """config.json for transformers' ``architecture``: every field but ``not_in_hf`` (tuples as
+        lists), the architecture and model type, the output flags fmoe's export fixes, then ``write``'s keys."""
+        out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init and f.name not in self.not_in_hf}
+        out = {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+        out.update(architectures=[self.architecture], model_type=self.model_type)
+        out.update(output_router_logits=False, use_cache=False)
+        return out | self.write(cfg)
+
+    def config_from_hf(self, hf: Mapping) -> Any:
+        """The config a config.json dict gives: its keys checked (``check_hf_fields``), ``defaults``
+        for the keys it omits, each field from the key of its name or an alias, ``read``'s fix-ups,
+        each value's JSON type checked (``checked_kwargs``). ValueError names the key."""
+        check_hf_fields(hf, self.model_type, self.honoured_fields, self.pinned_fields, self.metadata_fields)
+        names = {f.name for f in fields(self.config_class) if f.init and f.name not in self.not_in_hf}
+        kwargs = dict(self.defaults)
+        kwargs.update({k: v for k, v in hf.items() if k in names and k not in self.aliases})
+        for field_name, keys in self.aliases.items():
+            kwargs.update(aliased_field(hf, field_name, keys))
+        kwargs = self.read(hf, kwargs)
+        for f in fields(self.config_class):
+            no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if f.init and no_default and f.name not in kwargs:
+                raise ValueError(
+                    f"config.json lacks {f.name!r} ({self.config_class.__name__} has no default for it)"
+                )
+        return self.config_class(**checked_kwargs(self.config_class, kwargs))
 
 
 @dataclass(frozen=True)
@@ -152,6 +230,11 @@ class Family:
             raise TypeError(
                 f"Family {self.name!r}: config_class must be a dataclass, got {self.config_class!r}"
             )
+        if self.hf is not None and self.hf.config_class is not self.config_class:
+            raise TypeError(
+                f"Family {self.name!r}: its hf mapping reads {self.hf.config_class.__name__}, "
+                f"not the family's config_class {self.config_class.__name__}"
+            )
 
     def hf_mapping(self) -> HFMapping:
         if self.hf is None:
@@ -165,7 +248,14 @@ class Family:
         return self.hf_mapping().to_hf(cfg, params)
 
     def from_hf(self, cfg: Any, tensors: Params) -> dict[str, Tensor]:
-        return self.hf_mapping().from_hf(cfg, tensors)
+        mapping = self.hf_mapping()
+        if mapping.from_hf is not None:
+            return mapping.from_hf(cfg, tensors)
+        # the hub's layout: every parameter under its own name, stacked experts one by one; a head
+        # absent from the params is the tied embedding (a checkpoint's copy of it may stay)
+        shapes = self.param_shapes(cfg)
+        tied = "lm_head.weight" not in shapes
+        return stack_hub_experts(shapes, self.sizes(cfg).num_experts, tensors, tied)
 
     def hf_config(self, cfg: Any) -> dict:
         return self.hf_mapping().hf_config(cfg)
@@ -252,6 +342,9 @@ HF_COMMON_METADATA_FIELDS = frozenset(
         "return_dict",
     }
 )
+# the keys transformers 4 (rope_theta, rope_scaling) and 5 (rope_parameters) give the rotary
+# embedding's base and scaling in (read by ``fmoe.stages.rotary.rope_from_hf``)
+HF_ROPE_KEYS = frozenset({"rope_parameters", "rope_theta", "rope_scaling"})
 # buffers some checkpoints carry that the config fully determines (recomputed, never read)
 HF_DERIVED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -322,39 +415,6 @@ def aliased_field(hf: Mapping, field_name: str, keys: tuple[str, ...]) -> dict:
             + " disagree"
         )
     return {field_name: next(iter(found.values()))} if found else {}
-
-
-def hf_kwargs(
-    hf: Mapping,
-    config_class: type,
-    hf_names: HFMapping,
-    defaults: Mapping[str, Any],
-    not_from_hf: tuple[str, ...],
-    aliases: Mapping[str, tuple[str, ...]] = types.MappingProxyType({}),
-) -> dict:
-    """The config kwargs a config.json gives, before a family's own fix-ups: its keys checked
-    (``check_hf_fields``), ``defaults`` (transformers') for the keys it omits, each config field
-    that shares a key's name, and each ``aliases`` field from whichever of its keys is present.
-    not_from_hf: config fields never read by name (fmoe-only settings, rope fields)."""
-    check_hf_fields(
-        hf, hf_names.model_type, hf_names.honoured_fields, hf_names.pinned_fields, hf_names.metadata_fields
-    )
-    names = {f.name for f in fields(config_class) if f.init and f.name not in not_from_hf}
-    kwargs = dict(defaults)
-    kwargs.update({k: v for k, v in hf.items() if k in names and k not in aliases})
-    for field_name, keys in aliases.items():
-        kwargs.update(aliased_field(hf, field_name, keys))
-    return kwargs
-
-
-def hf_config_fields(cfg: Any, hf_names: HFMapping, not_in_hf: tuple[str, ...]) -> dict:
-    """config.json's common part: every config field but ``not_in_hf`` (tuples as lists), the
-    architecture and model type, and the output flags fmoe's export fixes."""
-    out = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.init and f.name not in not_in_hf}
-    out = {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-    out.update(architectures=[hf_names.architecture], model_type=hf_names.model_type)
-    out.update(output_router_logits=False, use_cache=False)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -314,40 +314,15 @@ def train_flops_per_token(cfg: GptOssConfig, seq: int) -> float:
 # experts [E, in, out]; fmoe's expert weights are [E, out, in] (see the module docstring).
 # config.json keys are honoured, pinned or metadata, as in fmoe.stages.qwen3_moe.
 
-FMOE_ONLY_FIELDS = ("moe_capacity_factor", "rope_theta", "rope_scaling")
 _TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# num_experts: transformers' alias of num_local_experts; experts_per_token: the released
-# checkpoints' duplicate of num_experts_per_tok; rope_parameters (transformers 5: default or yarn)
-# or rope_theta + rope_scaling (transformers 4 / the hub: null or yarn)
-HF_HONOURED_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok",
-    "experts_per_token", "sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit", "attention_bias",
-    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings",
-    "router_aux_loss_coef", "tie_word_embeddings", "initializer_range",
-})  # fmt: skip
 # transformers' GptOssConfig defaults, for keys config.json omits (rope: gpt-oss's YaRN, theta 150000)
 HF_DEFAULTS = {
-    "num_hidden_layers": 36,
-    "num_local_experts": 128,
-    "vocab_size": 201088,
-    "hidden_size": 2880,
-    "intermediate_size": 2880,
-    "head_dim": 64,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "sliding_window": 128,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.02,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "num_experts_per_tok": 4,
-    "swiglu_alpha": 1.702,
-    "swiglu_limit": 7.0,
-    "router_aux_loss_coef": 0.001,
-    "layer_types": None,
-    "attention_bias": True,
-}
+    "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "sliding_window": 128, "tie_word_embeddings": False, "initializer_range": 0.02,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001, "layer_types": None, "attention_bias": True,
+}  # fmt: skip
 HF_DEFAULT_ROPE_THETA = 150000.0
 
 
@@ -380,24 +355,21 @@ def from_hf(cfg: GptOssConfig, tensors: Params) -> dict[str, Tensor]:
     return params
 
 
-def hf_config(cfg: GptOssConfig) -> dict:
-    """config.json for transformers' GptOssForCausalLM."""
-    out = fam.hf_config_fields(cfg, HF, FMOE_ONLY_FIELDS)
-    out["rope_parameters"] = rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
-    return out | {"hidden_act": "silu"}
+def write_hf(cfg: GptOssConfig) -> dict:
+    """config.json's keys besides the fields: the rope (transformers 5's rope_parameters), the activation."""
+    return {"rope_parameters": rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling), "hidden_act": "silu"}
 
 
-def config_from_hf(hf: Mapping) -> GptOssConfig:
-    """Our config from a config.json dict: every key honoured, pinned or metadata (HF_HONOURED_FIELDS
-    ...), a key it omits at transformers' default; ValueError names an unknown key or bad value."""
-    aliases = {"num_local_experts": ("num_local_experts", "num_experts")}
-    kwargs = fam.hf_kwargs(hf, GptOssConfig, HF, HF_DEFAULTS, FMOE_ONLY_FIELDS, aliases)
+def read_hf(hf: Mapping, kwargs: dict) -> dict:
+    """The released checkpoints' duplicate experts_per_token checked; null head count / head_dim
+    read as the plain ones (as transformers); the rope from rope_parameters (transformers 5) or
+    rope_theta + rope_scaling (transformers 4 / the hub), gpt-oss's YaRN when neither gives it."""
     if "experts_per_token" in hf and hf["experts_per_token"] != kwargs["num_experts_per_tok"]:
         raise ValueError(
             f"config.json fields 'experts_per_token' ({hf['experts_per_token']}) and 'num_experts_per_tok' "
             f"({kwargs['num_experts_per_tok']}) disagree"
         )
-    # transformers: null head count / head_dim mean the plain ones
+    kwargs = dict(kwargs)
     if kwargs["num_key_value_heads"] is None:
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     if kwargs["head_dim"] is None and all(
@@ -408,25 +380,25 @@ def config_from_hf(hf: Mapping) -> GptOssConfig:
     kwargs["rope_theta"] = theta
     if "rope_parameters" in hf or "rope_scaling" in hf:
         kwargs["rope_scaling"] = scaling
-    return GptOssConfig(**fam.checked_kwargs(GptOssConfig, kwargs))
+    return kwargs
 
 
 HF = fam.HFMapping(
-    architecture="GptOssForCausalLM",
-    model_type="gpt_oss",
-    honoured_fields=HF_HONOURED_FIELDS,
+    GptOssConfig, "GptOssForCausalLM", "gpt_oss", defaults=HF_DEFAULTS,
+    not_in_hf=("moe_capacity_factor", "rope_theta", "rope_scaling"),
+    aliases={"num_local_experts": ("num_local_experts", "num_experts")},  # transformers' alias
+    # experts_per_token: the released checkpoints' duplicate of num_experts_per_tok
+    extra_honoured=fam.HF_ROPE_KEYS | {"experts_per_token"},
     pinned_fields={
         "attention_dropout": (0.0,),
         "quantization_config": (None,),  # MXFP4 checkpoints: dequantize to bf16 first
     },
-    metadata_fields=fam.HF_COMMON_METADATA_FIELDS
-    | {
+    extra_metadata=frozenset({
         "hidden_act",  # transformers' GptOss never reads it: the experts' clamped SwiGLU is fixed
         "initial_context_length",  # the release's note of its pre-YaRN length; transformers never reads it
-    },
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
-    config_from_hf=config_from_hf,
-)
+    }),
+    write=write_hf, read=read_hf, to_hf=to_hf, from_hf=from_hf,
+)  # fmt: skip
+# its conversions under their usual names
+hf_config, config_from_hf = HF.hf_config, HF.config_from_hf
 FAMILY = DECODER.family("gpt_oss", GptOssConfig, train_flops_per_token, HF)

@@ -209,8 +209,6 @@ def train_flops_per_token(cfg: Qwen3MoeConfig, seq: int) -> float:
 # output flags: nothing the model computes). Anything else is refused with the key named. A key
 # config.json omits takes transformers' default (HF_DEFAULTS), as transformers itself would.
 
-FMOE_ONLY_FIELDS = ("moe_capacity_factor", "moe_router_bias_update_rate")
-_ROPE_FIELDS = ("rope_theta", "rope_scaling")  # written and read as transformers' rope_parameters
 # transformers' Qwen3MoeConfig defaults, for keys config.json omits
 HF_DEFAULTS = {
     "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
@@ -220,16 +218,6 @@ HF_DEFAULTS = {
     "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": (),
 }  # fmt: skip
 HF_DEFAULT_ROPE_THETA = 10000.0
-# config.json keys that set or check a config field: num_experts (the hub's and transformers 4's
-# name) or num_local_experts (transformers 5's); rope_parameters (transformers 5: rope_type
-# "default" or "yarn") or rope_theta + rope_scaling (transformers 4 / the hub: null or yarn)
-HF_HONOURED_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
-    "norm_topk_prob", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "decoder_sparse_step",
-    "mlp_only_layers", "tie_word_embeddings", "router_aux_loss_coef", "initializer_range",
-    "max_position_embeddings", "attention_bias",
-})  # fmt: skip
 
 
 def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
@@ -248,31 +236,32 @@ def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
     return F.stack_hub_experts(param_shapes(cfg), cfg.num_experts, tensors, cfg.tie_word_embeddings, buffers)
 
 
-def hf_config(cfg: Qwen3MoeConfig) -> dict:
-    """config.json for transformers' Qwen3MoeForCausalLM."""
-    out = F.hf_config_fields(cfg, HF, FMOE_ONLY_FIELDS + _ROPE_FIELDS)
-    out["head_dim"] = cfg.head_size
-    out["rope_theta"] = cfg.rope_theta  # transformers 4 reads it here
-    out["rope_parameters"] = rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
-    return out | {"hidden_act": "silu"}
+def write_hf(cfg: Qwen3MoeConfig) -> dict:
+    """config.json's keys besides the fields: head_dim resolved, the rope as transformers 4
+    (rope_theta) and 5 (rope_parameters) read it, the experts' activation."""
+    rope = rotary.rope_parameters(cfg.rope_theta, cfg.rope_scaling)
+    return {
+        "head_dim": cfg.head_size,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+    }
 
 
-def config_from_hf(hf: Mapping) -> Qwen3MoeConfig:
-    """Our config from a config.json dict. Every key is honoured, pinned or metadata (see
-    HF.honoured_fields); ValueError names an unknown key or an unsupported value."""
-    # transformers 5 writes num_local_experts, the hub and transformers 4 num_experts
-    aliases = {"num_experts": ("num_local_experts", "num_experts")}
-    kwargs = F.hf_kwargs(hf, Qwen3MoeConfig, HF, HF_DEFAULTS, FMOE_ONLY_FIELDS + _ROPE_FIELDS, aliases)
-    kwargs["rope_theta"], kwargs["rope_scaling"] = rotary.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
-    if kwargs.get("mlp_only_layers") is None:  # transformers reads null as no dense layers
-        kwargs["mlp_only_layers"] = ()
-    return Qwen3MoeConfig(**F.checked_kwargs(Qwen3MoeConfig, kwargs))
+def read_hf(hf: Mapping, kwargs: dict) -> dict:
+    """The rope from rope_parameters (transformers 5: default or yarn) or rope_theta + rope_scaling
+    (transformers 4 / the hub: null or yarn); a null mlp_only_layers is no dense layer, as in transformers."""
+    theta, scaling = rotary.rope_from_hf(hf, HF_DEFAULT_ROPE_THETA)
+    dense = () if kwargs.get("mlp_only_layers") is None else kwargs["mlp_only_layers"]
+    return kwargs | {"rope_theta": theta, "rope_scaling": scaling, "mlp_only_layers": dense}
 
 
 HF = F.HFMapping(
-    architecture="Qwen3MoeForCausalLM",
-    model_type="qwen3_moe",
-    honoured_fields=HF_HONOURED_FIELDS,
+    Qwen3MoeConfig, "Qwen3MoeForCausalLM", "qwen3_moe", defaults=HF_DEFAULTS,
+    not_in_hf=("moe_capacity_factor", "moe_router_bias_update_rate", "rope_theta", "rope_scaling"),
+    # transformers 5 writes num_local_experts, the hub and transformers 4 num_experts
+    aliases={"num_experts": ("num_local_experts", "num_experts")},
+    extra_honoured=F.HF_ROPE_KEYS,
     # fields accepted only at these values: fmoe has no math for the others
     pinned_fields={
         "hidden_act": ("silu",),
@@ -280,12 +269,11 @@ HF = F.HFMapping(
         "use_sliding_window": (False,),  # sliding-window attention is not implemented
     },
     # sliding_window / max_window_layers are read only when use_sliding_window is true (refused above)
-    metadata_fields=F.HF_COMMON_METADATA_FIELDS | {"sliding_window", "max_window_layers"},
-    to_hf=to_hf,
-    from_hf=from_hf,
-    hf_config=hf_config,
-    config_from_hf=config_from_hf,
-)
+    extra_metadata=frozenset({"sliding_window", "max_window_layers"}),
+    write=write_hf, read=read_hf, to_hf=to_hf, from_hf=from_hf,
+)  # fmt: skip
+# its conversions under their usual names
+hf_config, config_from_hf = HF.hf_config, HF.config_from_hf
 # attn passes ctx.group("cp") to the attention and the aux loss
 FAMILY = DECODER.family(
     "qwen3_moe", Qwen3MoeConfig, train_flops_per_token, HF, supports_context_parallel=True

@@ -151,6 +151,14 @@ def test_the_export_loads_in_transformers_with_fmoes_ids_and_logits(run, tmp_pat
     ids = tokenizer(text)["input_ids"]
     assert ids + [tokenizer.eos_token_id] == fmoe_ids
     assert tokenizer.decode(ids) == text
+    # config.json's special ids: the data's end-of-document id, which also precedes every document
+    # but the first (fmoe's data has no BOS); no padding
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
+        fmoe_ids[-1],
+        fmoe_ids[-1],
+        None,
+    )
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     params, _, _ = checkpoint.load(checkpoint.latest(ckpt))
@@ -178,6 +186,42 @@ def test_a_recipes_tokenizer_json_is_copied_into_the_export(run, tmp_path, capsy
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert config["eos_token"] == "<|endoftext|>"
+    ids = {
+        k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if "token_id" in k
+    }
+    eos = data.load_tokenizer(tokenizer).eos_id
+    assert ids == {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
+
+
+def test_an_export_without_a_tokenizer_writes_null_token_ids(run, tmp_path):
+    _, _, recipe = run
+    params = qwen3_moe.init_params(recipe.model, seed=3)
+    config = json.loads(
+        (hf.export_hf("qwen3_moe", recipe.model, params, tmp_path / "hf") / "config.json").read_text()
+    )
+    assert [config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None, None, None]
+
+
+def test_the_export_reads_only_the_recipes_model_so_a_longer_seq_len_is_no_obstacle(run, tmp_path, capsys):
+    # data.seq_len left at its default (128), beyond the model's 64 positions, and no data folder:
+    # training refuses the recipe; the export reads no data
+    ckpt, _, _ = run
+    d = {"model": {**MODEL, "max_position_embeddings": 64}, "data": {"path": str(tmp_path / "none")}}
+    recipe_path = tmp_path / "long.toml"
+    recipe_path.write_text(toml_text(d))
+    with pytest.raises(
+        R.RecipeError, match=r"max_position_embeddings \(64\) must be >= data\.seq_len \(128\)"
+    ):
+        R.load(recipe_path)
+    code, err = export([ckpt, "--recipe", recipe_path, "--out", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 64
+    code = cli.main(["checkpoint", "import-hf", str(tmp_path / "hf"), "--recipe", str(recipe_path),
+                     "--out", str(tmp_path / "back")])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    params, _, _ = checkpoint.load(checkpoint.latest(ckpt))
+    back, _, _ = checkpoint.load(checkpoint.latest(tmp_path / "back"))
+    assert set(back) == set(params) and all(torch.equal(back[n], t) for n, t in params.items())
 
 
 def test_import_into_a_folder_of_checkpoints_is_refused_and_deletes_nothing(run, tmp_path, capsys):

@@ -42,7 +42,7 @@ Failures: see ``fmoe.dist`` (a failure key in the group's store that blocked ran
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +53,18 @@ from fmoe import dist as D
 from fmoe import pipeline as P
 from fmoe import runner as R
 from fmoe import stage as S
-from fmoe.schedules.table import Action, Schedule, ScheduleError, copy_of, locate, num_stages, stage_of
+from fmoe.schedules.table import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    copy_of,
+    locate,
+    num_stages,
+    stage_of,
+)
 from fmoe.schedules.verify import lower, validate
-from fmoe.stages.spec import Model, Stage, StageContext
+from fmoe.stages.spec import LAYER_ROLES, Model, Stage, StageContext
 
 HEADER = 64
 _DTYPES = (
@@ -63,7 +72,8 @@ _DTYPES = (
     torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
 )  # fmt: skip
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
-ROLES = {"attn": 1, "dispatch": 2, "mlp": 3, "combine": 4, "aggregate": 5}
+# the FB order's role numbers: attn=1, dispatch=2, mlp=3, combine=4, aggregate=5
+ROLES = {name: i + 1 for i, name in enumerate(LAYER_ROLES)}
 FB_ORDER = "B5+1 | F4 | B4 | F5+1 | B3i | F2 | B2 | W3 | F3"
 
 
@@ -128,14 +138,7 @@ class _Rank:
         self.smap = P.schedule_stage_map(model, schedule)
         self.S = num_stages(schedule)
         self.scale = 1.0 / schedule.microbatches
-        slots, n = [], 0
-        for stage in model.stages:
-            slots.append(n)
-            n += len(stage.losses)
-        if n == 0:
-            raise S.StageError("the model has no loss outputs (Stage.losses); nothing to train")
-        self.slot, self.num_terms = slots, n
-        self.terms = torch.zeros(schedule.microbatches, n, dtype=torch.float32)
+        self.terms = R.LossTerms(model)
         self.inbox_f: dict[tuple[int, int], tuple] = {}
         self.inbox_b: dict[tuple[int, int], tuple] = {}
         self.outbox_f: dict[tuple[int, int], tuple] = {}
@@ -177,13 +180,11 @@ class _Forward:
 
     def step(self) -> None:
         st, i = self.st, self.todo.pop(0)
-        stage = st.model.stages[i]
-        inputs = R.stage_inputs(stage, self.carry, st.microbatches[self.mb])
-        outputs, fwd = S.forward(stage, st.params, inputs, st.ctxs[self.mb])
-        self.carry, terms = R.split_outputs(stage, outputs)
-        R.add_statistics(st.statistics, stage, outputs)
-        for j, t in enumerate(terms):
-            st.terms[self.mb, st.slot[i] + j] = t.detach().float().reshape(())
+        mb = self.mb
+        self.carry, fwd = R.forward_stage(
+            mb, i, st.model.stages[i], st.params, self.carry, st.microbatches[mb], st.ctxs[mb],
+            st.terms, st.statistics,
+        )  # fmt: skip
         self.fwds.append(fwd)
 
     def finish(self) -> None:
@@ -226,34 +227,24 @@ class _Backward:
 
     def step(self, defer_w: bool = False) -> None:
         i = self.todo.pop(0)
-        fwd = self.fwds[i]
-        self.fwds[i] = None  # drop the activation as soon as its B has run
-        stage = fwd.stage
-        carried = stage.num_carried(len(fwd.outputs))
-        grad_out = self.grad if self.grad else (None,) * carried
-        grad_in, work = S.backward_input(fwd, grad_out, self.st.scale)
-        self.grad = tuple(grad_in[: len(grad_in) - len(stage.batch_inputs)])
+        fwd, self.fwds[i] = self.fwds[i], None  # drop the activation as soon as its B has run
+        self.grad, work = R.backward_stage(fwd, self.grad, self.st.scale)
         if defer_w:
-            self.deferred.append((role(stage), work))
+            self.deferred.append((role(fwd.stage), work))
         else:
             self.works.append(work)
 
     def run_w(self, roles: frozenset[int] | None = None) -> None:
-        keep = []
-        for r, work in self.deferred:
-            if roles is None or r in roles:
-                R.accumulate(self.st.grads, S.backward_weight(work, into=self.st.grads))
-            else:
-                keep.append((r, work))
-        self.deferred = keep
+        now = [work for r, work in self.deferred if roles is None or r in roles]
+        self.deferred = [(r, work) for r, work in self.deferred if not (roles is None or r in roles)]
+        R.weight_grads(now, into=self.st.grads)
 
     def finish(self, w_now: bool) -> None:
         while self.todo:
             self.step()
         st, key = self.st, (self.mb, self.chunk)
         if w_now:
-            for work in self.works:
-                R.accumulate(st.grads, S.backward_weight(work, into=st.grads))
+            R.weight_grads(self.works, into=st.grads)
             self.run_w()
         else:
             st.works[key] = self.works
@@ -370,40 +361,70 @@ def _device(st: _Rank) -> torch.device:
 # the run
 
 
-def _run_action(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    key, k = (a.microbatch, a.chunk), a.kind
-    if k == "F":
-        _Forward(st, *key).finish()
-    elif k in ("B", "BW"):
-        _Backward(st, *key).finish(w_now=(k == "BW"))
-    elif k == "W":
-        if key not in st.works:
-            raise ScheduleError(f"rank {st.rank}: {a} before its B")
-        for work in st.works.pop(key):
-            R.accumulate(st.grads, S.backward_weight(work, into=st.grads))
-    elif k == "FB":
-        _run_fb(st, a, order)
-    elif k == "SEND_F":
-        _send(st, st.outbox_f.pop(key), a.peer, str(a))
-    elif k == "SEND_B":
-        _send(st, st.outbox_b.pop(key), a.peer, str(a))
-    elif k == "RECV_F":
-        st.inbox_f[key] = _recv(st, a.peer, str(a))
-    elif k == "RECV_B":
-        st.inbox_b[key] = _recv(st, a.peer, str(a))
-    else:
-        raise ScheduleError(f"rank {st.rank}: unknown action kind {k!r}")
+def _run_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    _Forward(st, a.microbatch, a.chunk).finish()
+
+
+def _run_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    _Backward(st, a.microbatch, a.chunk).finish(w_now=False)
+
+
+def _run_bw(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    _Backward(st, a.microbatch, a.chunk).finish(w_now=True)
+
+
+def _run_w(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    key = (a.microbatch, a.chunk)
+    if key not in st.works:
+        raise ScheduleError(f"rank {st.rank}: {a} before its B")
+    R.weight_grads(st.works.pop(key), into=st.grads)
+
+
+def _send_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    _send(st, st.outbox_f.pop((a.microbatch, a.chunk)), a.peer, str(a))
+
+
+def _send_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    _send(st, st.outbox_b.pop((a.microbatch, a.chunk)), a.peer, str(a))
+
+
+def _recv_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    st.inbox_f[(a.microbatch, a.chunk)] = _recv(st, a.peer, str(a))
+
+
+def _recv_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
+    st.inbox_b[(a.microbatch, a.chunk)] = _recv(st, a.peer, str(a))
+
+
+# one handler per action kind: the interpreter knows no schedule, only these
+HANDLERS: dict[ActionKind, Callable[[_Rank, Action, Sequence[FBStep]], None]] = {
+    ActionKind.F: _run_f,
+    ActionKind.B: _run_b,
+    ActionKind.BW: _run_bw,
+    ActionKind.W: _run_w,
+    ActionKind.FB: _run_fb,
+    ActionKind.SEND_F: _send_f,
+    ActionKind.SEND_B: _send_b,
+    ActionKind.RECV_F: _recv_f,
+    ActionKind.RECV_B: _recv_b,
+}
+
+
+def rank_table(actions: Sequence[Action], rank: int, marked: int | None = None) -> str:
+    """A rank's rows, numbered, one per line; row ``marked`` (if any) flagged: what a failure prints."""
+    lines = [f"rank {rank}'s rows:"]
+    for k, a in enumerate(actions):
+        lines.append(f"  {k:4d}  {a}" + ("   <-- failed here" if k == marked else ""))
+    return "\n".join(lines)
 
 
 def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
-    terms = st.terms.to(_device(st))
+    """Every rank's loss terms summed (each slot was written by one rank only, so the sum is exact),
+    then each microbatch's loss and the step's, as the sequential runner forms them."""
+    terms = st.terms.matrix(st.s.microbatches, _device(st))
     D.wait([dist.all_reduce(terms, group=st.group, async_op=True)], st.group, "the loss all-reduce", st.rank,
            st.timeout_s)  # fmt: skip
-    terms = terms.cpu()
-    losses = []
-    for m in range(st.s.microbatches):
-        row = [terms[m, j] for j in range(st.num_terms)]
-        losses.append(R.sum_terms(row))
+    losses = st.terms.losses_from(terms.cpu())
     return R.mean_loss(losses), losses
 
 
@@ -527,17 +548,18 @@ def run_schedule(
     if hooks is not None:
         taken = {n for ns in hooks.take.values() for n in ns}
         names = [n for n in names if n not in taken]
+    actions = schedule.actions[rank]
     action: object = "setup"
+    row: int | None = None
+
+    def run_row(k: int) -> None:
+        nonlocal action, row
+        action, row = actions[k], k
+        HANDLERS[action.kind](st, action, order)
+
     try:
-        for k, action in enumerate(schedule.actions[rank]):
-            if hooks is not None:
-                hooks.before(k)
-            _run_action(st, action, order)
-            if hooks is not None:
-                hooks.after(k)
-                if k in hooks.take:
-                    hooks.taken(R.take_grads(st.grads, None, params, hooks.take[k]))
-        action = "the final waits"
+        R.run_steps(len(actions), run_row, hooks, lambda ns: R.take_grads(st.grads, None, params, ns))
+        action, row = "the final waits", None
         for works, _, what in st.pending:
             D.wait(works, group, what, rank, timeout_s)
         st.pending.clear()
@@ -554,6 +576,8 @@ def run_schedule(
         if earlier is not None:
             raise D.PipelineError(earlier) from e
         msg = f"pipeline rank {rank} failed at {action}: {type(e).__name__}: {e}"
+        if row is not None:
+            msg += "\n" + rank_table(actions, rank, marked=row)
         D.fail(group, msg)
         raise D.PipelineError(msg) from e
 

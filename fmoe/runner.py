@@ -1,13 +1,19 @@
-"""The sequential reference: a model's stages run one after another in one process.
+"""The micro-batch executor: a stage's F, B and W sequence, written once, and the sequential reference.
 
-Every parallel feature (pipeline schedules, expert and data parallelism) is tested against
-:func:`run_sequential`. A step's loss is the mean over microbatches of each microbatch's loss, the
-sum of every stage's weighted loss outputs (cross-entropy, router aux losses).
+Every place that runs stages - the sequential reference, the data-parallel step (``fmoe.parallel``,
+pp = 1), the expert-parallel step (``fmoe.expert_parallel.ep_step``) and the pipeline interpreter
+(``fmoe.interpreter``, a table's F, B, W, BW and FB rows) - goes through the same four pieces:
 
-:func:`execute` is the one micro-batch executor: the sequential reference, the data-parallel step
-(``fmoe.parallel``, pp = 1) and the expert-parallel step (``fmoe.expert_parallel.ep_step``) all run
-it; ``StepHooks`` let a caller gather a unit's parameters around its use and take its gradients as
-soon as they are final.
+    carry, fwd = forward_stage(stage, params, carry, batch, ctx, record)   # inputs, F, loss terms, statistics
+    grad, work = backward_stage(fwd, grad, loss_scale)                      # B; W's work kept
+    weight_grads(works, merge_later, into=grads)                            # W into the accumulator
+    run_steps(num_steps, run_step, hooks, take)                             # StepHooks around each step
+
+and a step's loss comes from ``LossTerms``: every stage's weighted loss outputs per (micro-batch,
+loss slot), summed per micro-batch in stage order (``sum_terms``) and averaged (``mean_loss``), the
+same float operations whoever ran the stages. ``execute`` is the one-process plan (per micro-batch,
+F of every unit first to last, then B + W last to first); ``run_sequential`` is the reference that
+every parallel feature is tested against.
 """
 
 from __future__ import annotations
@@ -111,6 +117,83 @@ def accumulate(total: dict[str, Tensor], grads: Mapping[str, Tensor]) -> None:
             total[name] = g
 
 
+class LossTerms:
+    """A step's weighted loss outputs: the value of (micro-batch m, loss slot j), slots numbered in
+    stage order over every stage's ``Stage.losses``. Each is written once, by whoever ran the stage;
+    the values stay where they were made (no host sync) until the step's losses are formed."""
+
+    def __init__(self, model: Model):
+        self.first_slot, n = [], 0
+        for stage in model.stages:
+            self.first_slot.append(n)
+            n += len(stage.losses)
+        if n == 0:
+            raise S.StageError("the model has no loss outputs (Stage.losses); nothing to train")
+        self.num_slots = n
+        self.values: dict[tuple[int, int], Tensor] = {}
+
+    def record(self, microbatch: int, stage_index: int, terms: Sequence[Tensor]) -> None:
+        """Keep the weighted loss terms stage ``stage_index`` produced for ``microbatch``."""
+        for j, t in enumerate(terms):
+            self.values[(microbatch, self.first_slot[stage_index] + j)] = t.detach()
+
+    def loss(self, microbatch: int) -> Tensor:
+        """One micro-batch's loss: its terms summed in slot (stage) order, all of them recorded here."""
+        return sum_terms([self.values[(microbatch, j)] for j in range(self.num_slots)])
+
+    def matrix(self, num_microbatches: int, device: torch.device) -> Tensor:
+        """[microbatches, slots] float32 on ``device``, zero where this process ran no stage: the
+        sum of all pipeline ranks' matrices holds every term exactly once."""
+        out = torch.zeros(num_microbatches, self.num_slots, dtype=torch.float32, device=device)
+        for (m, j), t in self.values.items():
+            out[m, j] = t.float().reshape(())
+        return out
+
+    def losses_from(self, matrix: Tensor) -> list[Tensor]:
+        """Each micro-batch's loss from a summed ``matrix`` (the same operations as ``loss``)."""
+        return [sum_terms([row[j] for j in range(self.num_slots)]) for row in matrix]
+
+
+def forward_stage(
+    microbatch: int,
+    index: int,
+    stage: Stage,
+    params: Mapping[str, Tensor],
+    carry: Sequence[Tensor],
+    batch: Batch,
+    ctx: StageContext,
+    terms: LossTerms,
+    statistics: dict[str, Tensor] | None = None,
+    observe: Callable[[int, tuple[Tensor, ...]], None] | None = None,
+) -> tuple[tuple[Tensor, ...], S.Forwarded]:
+    """F of model stage ``index`` for the step's micro-batch number ``microbatch`` (``ctx`` its
+    context): its inputs (the carry, then the batch fields it names), the forward, its loss terms
+    into ``terms`` (row ``microbatch``), its statistics into
+    ``statistics`` (if given); observe(index, inputs) runs first if given. Returns (the carry for the
+    next stage, what B needs)."""
+    inputs = stage_inputs(stage, carry, batch)
+    if observe is not None:
+        observe(index, inputs)
+    outputs, fwd = S.forward(stage, params, inputs, ctx)
+    carry, stage_terms = split_outputs(stage, outputs)
+    terms.record(microbatch, index, stage_terms)
+    if statistics is not None:
+        add_statistics(statistics, stage, outputs)
+    return carry, fwd
+
+
+def backward_stage(
+    fwd: S.Forwarded, grad: Sequence[Tensor | None], loss_scale: float
+) -> tuple[tuple[Tensor | None, ...], S.WeightGradWork]:
+    """B of one stage: ``grad`` is the gradient of its carried outputs (empty: none flows in, only its
+    loss outputs, seeded with ``loss_scale``). Returns (the gradient of the previous stage's carried
+    outputs - the batch fields' gradients dropped -, the W work)."""
+    stage = fwd.stage
+    grad_out = tuple(grad) if grad else (None,) * stage.num_carried(len(fwd.outputs))
+    grad_in, work = S.backward_input(fwd, grad_out, loss_scale)
+    return tuple(grad_in[: len(grad_in) - len(stage.batch_inputs)]), work
+
+
 def forward_microbatch(
     model: Model,
     params: Mapping[str, Tensor],
@@ -118,19 +201,14 @@ def forward_microbatch(
     ctx: StageContext,
     statistics: dict[str, Tensor] | None = None,
 ) -> tuple[list[S.Forwarded], Tensor]:
-    """F of every stage for one microbatch: (what B needs per stage, the microbatch's loss).
-
-    statistics: if given, the stages' statistic outputs are added into it (``add_statistics``)."""
+    """F of every stage for one microbatch: (what B needs per stage, the microbatch's loss)."""
+    terms = LossTerms(model)
     carry: tuple[Tensor, ...] = ()
-    fwds, terms = [], []
-    for stage in model.stages:
-        outputs, fwd = S.forward(stage, params, stage_inputs(stage, carry, batch), ctx)
-        carry, stage_terms = split_outputs(stage, outputs)
-        if statistics is not None:
-            add_statistics(statistics, stage, outputs)
+    fwds = []
+    for i, stage in enumerate(model.stages):
+        carry, fwd = forward_stage(ctx.microbatch, i, stage, params, carry, batch, ctx, terms, statistics)
         fwds.append(fwd)
-        terms.extend(stage_terms)
-    return fwds, sum_terms(terms)
+    return fwds, terms.loss(ctx.microbatch)
 
 
 def backward_microbatch(fwds: Sequence[S.Forwarded], loss_scale: float) -> list[S.WeightGradWork]:
@@ -138,11 +216,7 @@ def backward_microbatch(fwds: Sequence[S.Forwarded], loss_scale: float) -> list[
     works: list[S.WeightGradWork | None] = [None] * len(fwds)
     grad: tuple[Tensor | None, ...] = ()
     for i in range(len(fwds) - 1, -1, -1):
-        fwd = fwds[i]
-        carried = fwd.stage.num_carried(len(fwd.outputs))
-        grad_out = grad if grad else (None,) * carried
-        grad_in, works[i] = S.backward_input(fwd, grad_out, loss_scale)
-        grad = grad_in[: len(grad_in) - len(fwd.stage.batch_inputs)]
+        grad, works[i] = backward_stage(fwds[i], grad, loss_scale)
     return works  # type: ignore[return-value]
 
 
@@ -238,6 +312,26 @@ def take_grads(
     return {n: grads.pop(n) if n in grads else torch.zeros_like(params[n]) for n in names}
 
 
+def run_steps(
+    num_steps: int,
+    run_step: Callable[[int], None],
+    hooks: StepHooks | None,
+    take: Callable[[Sequence[str]], dict[str, Tensor]],
+) -> set[str]:
+    """Run steps 0..num_steps-1 with ``hooks`` around each: before(k), run_step(k), after(k), then
+    the gradients final after step k (``take(names)``) handed to ``hooks.taken``. Returns the names
+    taken (none without hooks): the caller returns the rest."""
+    for k in range(num_steps):
+        if hooks is not None:
+            hooks.before(k)
+        run_step(k)
+        if hooks is not None:
+            hooks.after(k)
+            if k in hooks.take:
+                hooks.taken(take(hooks.take[k]))
+    return {n for names in hooks.take.values() for n in names} if hooks is not None else set()
+
+
 def execute(
     model: Model,
     params: Mapping[str, Tensor],
@@ -269,45 +363,32 @@ def execute(
     plan = microbatch_plan(len(units), len(microbatches))
     grads: dict[str, Tensor] = {}
     merge_later: dict[str, list[GroupedWeightGrad]] | None = {} if merge_expert_grads else None
-    carry: tuple[Tensor, ...] = ()  # the microbatch in flight: F's carry, then B's output gradient
-    fwds: list[S.Forwarded | None] = []
-    terms: list[Tensor] = []
-    losses: list[Tensor] = []
-    for k, step in enumerate(plan):
-        if hooks is not None:
-            hooks.before(k)
+    terms = LossTerms(model)
+    carry: tuple = ()  # the microbatch in flight: F's carry, then B's output gradient
+    fwds: list[S.Forwarded | None] = [None] * len(model.stages)
+
+    def run_step(k: int) -> None:
+        nonlocal carry
+        step = plan[k]
         mb, ctx = microbatches[step.microbatch], contexts[step.microbatch]
         if step.phase == "F":
-            if step.unit == 0:
-                carry, fwds, terms = (), [None] * len(model.stages), []
             for i in units[step.unit]:
-                stage = model.stages[i]
-                inputs = stage_inputs(stage, carry, mb)
-                if observe is not None:
-                    observe(i, inputs)
-                outputs, fwds[i] = S.forward(stage, params, inputs, ctx)
-                carry, stage_terms = split_outputs(stage, outputs)
-                if statistics is not None:
-                    add_statistics(statistics, stage, outputs)
-                terms.extend(stage_terms)
+                carry, fwds[i] = forward_stage(
+                    step.microbatch, i, model.stages[i], params, carry, mb, ctx, terms, statistics, observe
+                )
             if step.unit == len(units) - 1:
-                losses.append(sum_terms(terms))
                 carry = ()  # B starts from the loss outputs alone
-        else:
-            works = []
-            for i in reversed(units[step.unit]):
-                fwd, fwds[i] = fwds[i], None  # drop the activation as soon as its B has run
-                grad_out = carry if carry else (None,) * fwd.stage.num_carried(len(fwd.outputs))
-                grad_in, work = S.backward_input(fwd, grad_out, loss_scale)
-                carry = tuple(grad_in[: len(grad_in) - len(fwd.stage.batch_inputs)])
-                works.append(work)
-            weight_grads(works[::-1], merge_later, into=grads)
-        if hooks is not None:
-            hooks.after(k)
-            if k in hooks.take:
-                hooks.taken(take_grads(grads, merge_later, params, hooks.take[k]))
-    taken = {n for names in hooks.take.values() for n in names} if hooks is not None else set()
+            return
+        works = []
+        for i in reversed(units[step.unit]):
+            fwd, fwds[i] = fwds[i], None  # drop the activation as soon as its B has run
+            carry, work = backward_stage(fwd, carry, loss_scale)
+            works.append(work)
+        weight_grads(works[::-1], merge_later, into=grads)
+
+    taken = run_steps(len(plan), run_step, hooks, lambda names: take_grads(grads, merge_later, params, names))
     rest = [n for n in model.param_names() if n not in taken]
+    losses = [terms.loss(m) for m in range(len(microbatches))]
     return losses, take_grads(grads, merge_later, params, rest)
 
 

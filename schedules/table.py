@@ -51,10 +51,27 @@ from __future__ import annotations
 import csv
 import io
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
-COMPUTE = ("F", "B", "W", "BW", "FB")
-COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+class ActionKind(StrEnum):
+    """What a row does (see the module docstring). A member equals its name as a string, so a table
+    read from CSV (``Action.kind`` a plain ``str``) compares and looks up like the members."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    FB = "FB"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+
+COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW, ActionKind.FB)
+COMM = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B)
 KINDS = COMPUTE + COMM
 PLACEMENTS = ("loop", "v", "bidir")
 COLUMNS = ("rank", "action", "microbatch", "chunk", "b_microbatch", "b_chunk", "peer")

@@ -73,7 +73,9 @@ class CustomGrad:
 # What a stage is in the model: the embedding, a layer's attention (+ router), the exchange of
 # routed tokens to their experts, the experts (or a dense MLP), the exchange back, the weighted sum
 # with the residual, the LM head; "other" for a stage with none of these roles.
-ROLES = ("embed", "attn", "dispatch", "mlp", "combine", "aggregate", "head", "other")
+# the five stages of a transformer layer, in forward order (the FB interpreter numbers them 1..5)
+LAYER_ROLES = ("attn", "dispatch", "mlp", "combine", "aggregate")
+ROLES = ("embed", *LAYER_ROLES, "head", "other")
 
 
 class RoutedTokens(NamedTuple):

@@ -201,3 +201,8 @@ def test_rank_failing_mid_schedule_brings_every_rank_down_with_its_message():
     for r in results:
         assert not r.ok and r.error_type == "PipelineError", (r.rank, r.error_type, r.error)
         assert "pipeline rank 1 failed" in r.error and "boom: injected failure" in r.error, r.error
+        # the failing rank's whole table follows, its failing row marked (what a reader needs to place it)
+        table = r.error.split("\n", 1)[1].splitlines()
+        assert table[0] == "rank 1's rows:", r.error
+        marked = [line for line in table if line.endswith("<-- failed here")]
+        assert len(marked) == 1 and "(mb=" in marked[0], r.error

@@ -72,12 +72,13 @@ def check_family(family: Family, cfg: Any, batch_size: int = 2, seq_len: int = 4
     """Run every stage of ``family.build(cfg)`` once on a tiny batch; FamilyError at the first
     broken contract (see the module docstring). Returns None when the family keeps its contract."""
     where = f"model family {family.name!r}"
-    shapes = family.param_shapes(cfg)
-    for name, shape in shapes.items():
-        if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
+    declared = _builder_step(where, lambda: family.param_shapes(cfg))
+    for name, shape in declared.items():
+        if not (isinstance(shape, tuple | list) and all(type(d) is int and d >= 0 for d in shape)):
             raise FamilyError(
                 f"{where}: param_shapes declares {name!r} as {shape!r}, not a tuple of ints >= 0"
             )
+    shapes = {name: tuple(shape) for name, shape in declared.items()}
     model = _builder_step(where, lambda: family.build(cfg))
     _check_declared(where, model, shapes)
     on_cpu = sum(math.prod(s) for s in shapes.values()) <= CPU_CHECK_PARAMS
@@ -102,10 +103,10 @@ def check_family(family: Family, cfg: Any, batch_size: int = 2, seq_len: int = 4
     for i, stage in enumerate(model.stages):
         layer = model.layer_of[i] if model.layer_of else -1
         place = f"{where}, stage {stage.name!r}" + (f" (layer {layer})" if layer >= 0 else "")
-        inputs = runner.stage_inputs(stage, carry, batch)
         given = _given(model, i, len(carry))
         trace = _Provenance({n: params[n] for n in stage.params})
         try:
+            inputs = runner.stage_inputs(stage, carry, batch)
             with torch.no_grad(), trace:
                 outputs = S.call(stage, params, inputs, StageContext())
         except Exception as e:

@@ -25,6 +25,7 @@ code's bug: it propagates unchanged, so its traceback ends in the family's file.
 
 from __future__ import annotations
 
+import importlib.util
 import linecache
 import math
 import sys
@@ -42,14 +43,18 @@ import fmoe
 from fmoe import runner
 from fmoe import stage as S
 from fmoe.stages import spec
-from fmoe.stages.family import Family
+from fmoe.stages.family import BUILTIN_FAMILIES, Family
 from fmoe.stages.spec import Model, Stage, StageContext
 
 # a model of at most this many parameters is checked on the CPU (256 MiB of float32), values included
 CPU_CHECK_PARAMS = 1 << 26
 
-# fmoe's own code (the runtime and the stage builders); torch's
+# fmoe's own code: the runtime and the stage builders, not its families (a family's code, fmoe's or
+# a user's, raising is a bug in it: a traceback); torch's
 _FMOE_ROOTS = (Path(fmoe.__file__).resolve().parent, Path(spec.__file__).resolve().parent)
+_FAMILY_FILES = frozenset(
+    Path(importlib.util.find_spec(module).origin).resolve() for module in BUILTIN_FAMILIES.values()
+)
 _TORCH_ROOT = Path(torch.__file__).resolve().parent
 _THIS_FILE = Path(__file__).resolve()
 
@@ -299,8 +304,10 @@ def _where(filename: str, line: int) -> str:
 
 
 def _in_fmoe(where: str) -> bool:
+    """Whether ``where`` (a file, or "file:line ...") is fmoe's runtime or builder code."""
     path = Path(where.split(":", 1)[0]).resolve()
-    return any(path.is_relative_to(root) for root in _FMOE_ROOTS) and path != _THIS_FILE
+    in_roots = any(path.is_relative_to(root) for root in _FMOE_ROOTS)
+    return in_roots and path != _THIS_FILE and path not in _FAMILY_FILES
 
 
 def _fmoe_refusal(e: BaseException, given: str) -> str | None:

@@ -277,3 +277,13 @@ def test_a_w_that_misses_a_parameter_fails_the_gradient_check_naming_it():
 def test_the_family_check_names_a_family_error_as_bad_input():
     assert issubclass(FamilyError, ValueError) and cli.is_bad_input(FamilyError("x"), "train")
     assert not cli.is_bad_input(ValueError("x"), "train") and not cli.is_bad_input(KeyError("x"), "plan")
+
+
+def test_fmoes_own_families_code_counts_as_family_code_not_as_fmoes_builders():
+    """An exception raised in a family module (fmoe's or a user's) is that family's bug, a traceback;
+    one raised by the runtime or the decoder builder reports what a family gave it, one line."""
+    from fmoe import check, stage
+    from fmoe.stages import decoder, qwen3_moe
+
+    assert check._in_fmoe(decoder.__file__) and check._in_fmoe(stage.__file__)
+    assert not check._in_fmoe(qwen3_moe.__file__) and not check._in_fmoe(__file__)

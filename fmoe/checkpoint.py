@@ -76,7 +76,12 @@ class CheckpointWriteError(OSError):
     """Writing a checkpoint failed; its partial folder was removed, earlier checkpoints are intact."""
 
 
-class CorruptCheckpointError(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that does not fit the model it is loaded for; the message
+    names the file and the tensor (bad input: the CLI reports it as one line)."""
+
+
+class CorruptCheckpointError(CheckpointError):
     """A checkpoint's file does not match its recorded checksum, or cannot be parsed; the message
     names the file. An older checkpoint may still be intact (:func:`newest_intact`)."""
 
@@ -634,7 +639,7 @@ class Checkpoint:
         entry = self.entries[kind][name]
         stop = entry.numel if stop is None else stop
         if not 0 <= start <= stop <= entry.numel:
-            raise ValueError(
+            raise CheckpointError(
                 f"{self.folder}: range [{start}, {stop}) of {kind} tensor {name!r} of {entry.numel}"
             )
         if out is None:
@@ -676,7 +681,7 @@ class Checkpoint:
         shapes: Mapping[str, Sequence[int]] | None = None,
         exact: bool = True,
     ) -> None:
-        """ValueError (one line naming the file) when the kind's names are not exactly ``keys``
+        """CheckpointError (one line naming the file) when the kind's names are not exactly ``keys``
         (when given), or a tensor's shape differs from ``shapes`` (those present when not exact)."""
         have = self.entries[kind]
         where = self.where[kind]
@@ -684,18 +689,18 @@ class Checkpoint:
             want = set(keys)
             missing, unexpected = sorted(want - have.keys()), sorted(have.keys() - want)
             if missing or unexpected:
-                raise ValueError(
+                raise CheckpointError(
                     f"{where}: keys do not match: {len(missing)} missing {missing[:5]}, "
                     f"{len(unexpected)} unexpected {unexpected[:5]}"
                 )
         for name, want_shape in (shapes or {}).items():
             if name not in have:
                 if exact:
-                    raise ValueError(f"{where}: tensor {name!r} missing")
+                    raise CheckpointError(f"{where}: tensor {name!r} missing")
                 continue
             got = have[name].shape
             if got != tuple(want_shape):
-                raise ValueError(
+                raise CheckpointError(
                     f"{where}: tensor {name!r} has shape {got} in the checkpoint, the recipe needs "
                     f"{tuple(want_shape)} (a checkpoint of another model: point checkpoint.dir elsewhere "
                     f"or restore the model sizes)"
@@ -933,7 +938,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
                     "RNG state holds a CUDA state but CUDA is not available: not restored", stacklevel=2
                 )
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"RNG state field {field!r} is malformed ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"RNG state field {field!r} is malformed ({type(e).__name__}: {e})") from e
 
 
 # --------------------------------------------------------------------------------------------------

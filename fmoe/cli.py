@@ -9,7 +9,9 @@
     fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting] [--set ...]
 
 Run on several processes with ``torchrun --nproc-per-node N -m fmoe train RECIPE``.
-Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, and exit status 2.
+Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, and exit status 2
+(``is_bad_input``: fmoe's typed errors). Anything else is a bug - fmoe's, or in a model family's
+own code - and keeps its traceback (exit status 1), which ends where it was raised.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from fmoe.checkpoint import CheckpointWriteError
+from fmoe.recipe import RecipeError
+
+
+class UsageError(ValueError):
+    """A command-line argument the command cannot use; the message names it."""
 
 
 def default_recipe() -> Path:
@@ -94,23 +100,25 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from fmoe import plan
     from fmoe import recipe as R
+    from fmoe.check import check_family
     from fmoe.hf import family as family_module
 
     recipe = R.load(args.recipe, dict(R.parse_override(s) for s in args.set))
     if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     if args.device_memory is not None and not args.device_memory > 0:
-        raise ValueError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
+        raise UsageError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
     gib = args.device_memory if args.device_memory is not None else recipe.train.device_memory_gib
     limit = gib * plan.GiB if gib else None
     device = "cpu" if recipe.train.device == "cpu" else "cuda"
     fam = family_module(recipe.model_family)
+    check_family(fam, recipe.model)  # a broken family named before planning it
     model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
     working_set = None if args.working_set is None else plan.WorkingSet(args.working_set)
     plans = plan.layouts(recipe, model, shapes, args.nproc, device=device, working_set=working_set,
                          supports_cp=fam.supports_context_parallel)  # fmt: skip
     if not plans:
-        raise ValueError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
+        raise RecipeError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
                          f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
     if args.layout:
         try:
@@ -118,9 +126,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ValueError:
             sizes = ()
         if len(sizes) != 4:
-            raise ValueError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
+            raise UsageError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
         if sizes not in [q.sizes for q in plans]:
-            raise ValueError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
+            raise UsageError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
                              f"(see the list without --layout)")  # fmt: skip
         shown = plan.plan_layout(recipe, model, shapes, sizes, device=device, working_set=working_set)  # type: ignore[arg-type]
     else:
@@ -217,9 +225,29 @@ def main(argv: list[str] | None = None) -> int:
             return cli.main(argv[1:])
         args = parser().parse_args(argv)
         return args.fn(args)
-    except (ValueError, OSError, KeyError, SafetensorError, CheckpointWriteError) as e:
+    except Exception as e:
+        if not is_bad_input(e, argv[0] if argv else ""):
+            raise  # a bug, fmoe's or in a family's own code: its traceback says where
         print(f"fmoe: error: {error_line(e)}", file=sys.stderr)
         return 2
+
+
+def is_bad_input(e: BaseException, command: str) -> bool:
+    """Whether ``e`` reports bad input, which the CLI prints as one line with exit status 2: fmoe's
+    typed errors for a recipe, an argument, a schedule table, a mesh, a checkpoint, a model family
+    or an export, a run that diverged, and a file that cannot be read or written (OSError, a
+    malformed safetensors file). ``fmoe checkpoint`` also takes ValueError and KeyError: the
+    Hugging Face conversions (``HFMapping``) report a bad config.json or tensor with them."""
+    from fmoe.check import FamilyError
+    from fmoe.checkpoint import CheckpointError
+    from fmoe.hf import ExportError, WeightsMismatch
+    from fmoe.mesh import MeshError
+    from fmoe.schedules.table import ScheduleError
+    from fmoe.train import NonFiniteError
+
+    typed = (RecipeError, UsageError, ScheduleError, MeshError, CheckpointError, FamilyError, ExportError,
+             WeightsMismatch, NonFiniteError, OSError, SafetensorError)  # fmt: skip
+    return isinstance(e, typed) or (command == "checkpoint" and isinstance(e, ValueError | KeyError))
 
 
 def error_line(e: BaseException) -> str:

@@ -38,6 +38,7 @@ from torch import Tensor
 from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline
 from fmoe import dist as D
 from fmoe import plan as memory_plan
+from fmoe.check import check_family
 from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
@@ -126,7 +127,10 @@ def ensure_dataset(recipe: Recipe) -> Path:
         source = str(text)
     elif not Path(source).is_file():
         raise RecipeError(f"{recipe.path}: data.build_from file {source!r} not found")
-    data.build([source], path, tokenizer=recipe.data.tokenizer, workers=min(2, os.cpu_count() or 1))
+    try:
+        data.build([source], path, tokenizer=recipe.data.tokenizer, workers=min(2, os.cpu_count() or 1))
+    except ValueError as e:  # the file's contents (data's errors name it)
+        raise RecipeError(f"{recipe.path}: data.build_from: {e}") from None
     return path
 
 
@@ -271,8 +275,8 @@ def _agree_on_resume_point(recipe: Recipe, mesh) -> Path | None:
         box = [[str(c) for c in candidates], None if error is None else str(error)]
         dist.broadcast_object_list(box, src=0)
         candidates = [Path(c) for c in box[0]]
-        if error is None and box[1] is not None:
-            raise ValueError(box[1])
+        if error is None and box[1] is not None:  # rank 0's folders or checkpoints are the recipe's
+            raise RecipeError(box[1])
     if error is not None:
         raise error
     chosen, rejected = None, []
@@ -423,7 +427,9 @@ def _initial_state(recipe: Recipe, model, tx, shapes, infos, mesh, device, resum
         try:
             state = optim.state_from_flat(tx, _opt_shard(ck, infos, mesh, shapes, device), shards)
         except (KeyError, ValueError) as e:
-            raise ValueError(f"{resume_from}: optimizer state does not fit the model ({e})") from None
+            raise checkpoint.CheckpointError(
+                f"{resume_from}: optimizer state does not fit the model ({e})"
+            ) from None
     trainer_state = ck.trainer_state()
     counters = {k: int(trainer_state.get(k, 0)) for k in counters}
     if "rng" in trainer_state:
@@ -517,6 +523,7 @@ def _train(
     t0 = time.perf_counter()
     fam = family_module(recipe.model_family)
     cfg = recipe.model
+    check_family(fam, cfg)  # every stage once on a tiny batch: a broken family named before any data
     check_dataset_tokenizer(recipe)
     mesh = _setup_mesh(recipe)
     lead = mesh.rank == 0

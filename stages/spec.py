@@ -82,7 +82,9 @@ class RoutedTokens(NamedTuple):
     """The inputs of every "dispatch" stage (its first four; a family may carry more after them).
 
     residual: h1 [b,s,H], the residual stream after attention; tokens: x [T,H], the normed rows the
-    experts read; expert_ids: [T,k] int64, the experts each token is routed to; weights: [T,k].
+    experts read; expert_ids: [T,k] int64, the experts each token is routed to, each in
+    [0, Model.num_experts); weights: [T,k] in the tokens' dtype. fmoe's family check (before a run)
+    refuses a model whose stage before a dispatch carries anything else.
     """
 
     residual: Tensor

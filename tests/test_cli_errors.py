@@ -1,5 +1,6 @@
 """The CLI's error contract: bad input ends with ONE stderr line ``fmoe: error: ...`` naming the field
-or file, and exit status 2; recipes that can never run are refused before any data build or step."""
+or file, and exit status 2; recipes that can never run are refused before any data build or step;
+anything else (a bug, fmoe's or in a family's own code) keeps its traceback."""
 
 from __future__ import annotations
 
@@ -125,3 +126,25 @@ def test_the_recipes_timeout_reaches_the_step(tmp_path, dataset, monkeypatch):
     train(R.from_dict(d))
     assert seen == [42.5, 42.5, 42.5]
     assert R.from_dict(recipe_dict(tmp_path, dataset)).parallel.timeout_s == 600.0
+
+
+def test_a_malformed_build_from_file_is_one_line_naming_it(tmp_path, dataset, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": 1}\n')
+    data = {"path": str(tmp_path / "new-data"), "build_from": str(bad)}
+    code, err, path = train_cli(tmp_path, dataset, capsys, data=data)
+    assert_one_line_error(code, err, path, "data.build_from", "bad.jsonl:2")
+
+
+def test_a_bug_is_a_traceback_not_a_line(tmp_path, dataset, capsys, monkeypatch):
+    """Exit 2 is for bad input; a ValueError or KeyError from code (here, the step) propagates."""
+
+    def buggy_step(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(parallel, "parallel_step", buggy_step)
+    path = tmp_path / "r.toml"
+    path.write_text(toml_text(recipe_dict(tmp_path, dataset)))
+    with pytest.raises(KeyError, match="a bug"):
+        cli.main(["train", str(path)])
+    assert capsys.readouterr().err == ""

@@ -4,8 +4,9 @@ The section's blocks are tagged with the file they are: ```python my_gpt.py (the
 outside fmoe), ```toml my_gpt.toml (its recipe) and ```bash my_gpt (the commands). This test writes
 the two files into an empty folder, puts it on PYTHONPATH and runs the commands there in order, as
 printed: train on one process, on two pipeline ranks (torchrun, gloo), then export, which fmoe
-refuses by name for a family without a Hugging Face mapping. It also checks the family's stages'
-derived B and W against autograd in float64, as any family's are (tests/test_stage_grads.py).
+refuses by name for a family without a Hugging Face mapping. It also runs the section's own test,
+``test_my_gpt.py``: every stage's derived B and W against autograd in float64, chained through the
+whole model (``fmoe.check.check_gradients``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import relative_error
-
-from fmoe import runner
-from fmoe import stage as S
-from fmoe.stages.spec import StageContext
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -50,54 +47,31 @@ def user_folder(tmp_path, monkeypatch):
     return tmp_path
 
 
-def stage_cases(model, params, batch):
-    """(stage, inputs) for every stage, the inputs taken from one forward of the whole model."""
-    carry, cases = (), []
-    for stage in model.stages:
-        inputs = tuple(carry) + tuple(batch[k] for k in stage.batch_inputs)
-        cases.append((stage, inputs))
-        outputs = S.call(stage, params, inputs, StageContext())
-        carry = outputs[: stage.num_carried(len(outputs))]
-    return cases
-
-
-def test_the_readme_family_stages_b_and_w_equal_autograd_in_float64(user_folder):
+def test_the_readme_family_test_checks_every_stages_b_and_w_against_autograd_in_float64(
+    user_folder, monkeypatch
+):
+    """The section's test file (``fmoe.check.check_gradients``, chained through the whole model) passes."""
+    (user_folder / "test_my_gpt.py").write_text(section_block("python test_my_gpt.py"))
+    monkeypatch.delitem(sys.modules, "test_my_gpt", raising=False)
     import my_gpt
+    import test_my_gpt
 
     from fmoe.stages.family import lookup
 
+    test_my_gpt.test_my_gpt_stages_b_and_w_equal_autograd_in_float64()
     family = lookup("my_gpt")
     cfg = family.config_class(n_layer=1, n_embd=16, n_head=2, n_expert=8, top_k=2, expert_hidden=24)
     model = family.build(cfg)
-    params = family.init_params(cfg, seed=1, dtype=torch.float64)
-    assert set(params) == set(family.param_shapes(cfg)) == set(model.param_names())
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = torch.randint(0, cfg.vocab_size, (2, 2, 5), generator=gen)
-    batch = runner.with_positions({"tokens": tokens, "labels": labels})
-    roles = []
-    for stage, inputs in stage_cases(model, params, batch):
-        roles.append(stage.role)
-        outputs, fwd = S.forward(stage, params, inputs, StageContext())
-        carried = outputs[: stage.num_carried(len(outputs))]
-        grad_outputs = [torch.randn_like(o) if o.is_floating_point() else None for o in carried]
-        grad_inputs, work = S.backward_input(fwd, grad_outputs, loss_scale=0.5)
-        grads = S.backward_weight(work)
-
-        leaves = {n: params[n].clone().requires_grad_() for n in stage.params}
-        xs = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
-        ref = S.call(stage, leaves, xs, StageContext())
-        n = stage.num_carried(len(ref))
-        total = sum((o * g).sum() for o, g in zip(ref[:n], grad_outputs) if g is not None)
-        total = total + sum(w * 0.5 * ref[n + i] for i, w in enumerate(stage.losses))
-        total.backward()
-        # float64, the same per-op derivatives summed in another order: a few tens of ulps (1.1e-16)
-        for i, (g, x) in enumerate(zip(grad_inputs, xs)):
-            if x.is_floating_point():
-                assert relative_error(g, x.grad) <= 1e-12, f"{stage.name} input {i}"
-        assert set(grads) == set(stage.params), stage.name
-        for name in stage.params:
-            assert relative_error(grads[name], leaves[name].grad) <= 1e-12, f"{stage.name} {name}"
-    assert roles == ["embed", "attn", "dispatch", "mlp", "combine", "aggregate", "head"]
+    assert set(family.init_params(cfg)) == set(family.param_shapes(cfg)) == set(model.param_names())
+    assert [s.role for s in model.stages] == [
+        "embed",
+        "attn",
+        "dispatch",
+        "mlp",
+        "combine",
+        "aggregate",
+        "head",
+    ]
     assert my_gpt.FAMILY is family
 
 

@@ -236,18 +236,18 @@ def is_bad_input(e: BaseException, command: str) -> bool:
     """Whether ``e`` reports bad input, which the CLI prints as one line with exit status 2: fmoe's
     typed errors for a recipe, an argument, a schedule table, a mesh, a checkpoint, a model family
     or an export, a run that diverged, and a file that cannot be read or written (OSError, a
-    malformed safetensors file). ``fmoe checkpoint`` also takes ValueError and KeyError: the
-    Hugging Face conversions (``HFMapping``) report a bad config.json or tensor with them."""
+    malformed safetensors file). A Hugging Face folder's bad config.json or tensor is an HFError
+    (``fmoe.hf`` types what the family's ``HFMapping`` refuses)."""
     from fmoe.check import FamilyError
     from fmoe.checkpoint import CheckpointError
-    from fmoe.hf import ExportError, WeightsMismatch
+    from fmoe.hf import ExportError, HFError, WeightsMismatch
     from fmoe.mesh import MeshError
     from fmoe.schedules.table import ScheduleError
     from fmoe.train import NonFiniteError
 
-    typed = (RecipeError, UsageError, ScheduleError, MeshError, CheckpointError, FamilyError, ExportError,
-             WeightsMismatch, NonFiniteError, OSError, SafetensorError)  # fmt: skip
-    return isinstance(e, typed) or (command == "checkpoint" and isinstance(e, ValueError | KeyError))
+    typed = (RecipeError, UsageError, ScheduleError, MeshError, CheckpointError, FamilyError, HFError,
+             ExportError, WeightsMismatch, NonFiniteError, OSError, SafetensorError)  # fmt: skip
+    return isinstance(e, typed)
 
 
 def error_line(e: BaseException) -> str:

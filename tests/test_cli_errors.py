@@ -93,7 +93,7 @@ def test_a_binary_recipe_file_is_named(tmp_path, capsys):
 
 def test_a_multi_line_error_message_prints_as_one_line(tmp_path, capsys, monkeypatch):
     def import_hf(folder, family_name=None):
-        raise ValueError(f"{folder}: tensor 'model.embed_tokens.weight' has shape [3, 4]\nexpected [264, 32]")
+        raise hf.HFError(f"{folder}: tensor 'model.embed_tokens.weight' has shape [3, 4]\nexpected [264, 32]")
 
     monkeypatch.setattr(hf, "import_hf", import_hf)
     code, err = run_cli(

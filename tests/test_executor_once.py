@@ -19,9 +19,15 @@ ONLY_IN = {
     "hooks.before": "run_steps",  # the StepHooks loop
     "hooks.taken": "run_steps",
 }
-# model_loss is the plain-autograd reference the executor is tested against: it calls the stages
-# directly, on purpose, with no F/B/W at all
-REFERENCE = {("runner.py", "model_loss")}
+# the references the executor's pieces are checked against call the stages themselves, on purpose:
+# model_loss (the step as one plain autograd function), check_family (each stage once, under a
+# watch that names what broke) and check_gradients (each stage's F/B/W alone against autograd)
+REFERENCE = {
+    ("runner.py", "model_loss"),
+    ("check.py", "check_family"),
+    ("check.py", "check_gradients"),
+    ("check.py", "_autograd_gradients"),
+}
 
 
 def calls_outside_their_place() -> list[str]:

@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work for issues 19-21, in order of importance, each part bounded:
-# the Qwen3 benchmark before (before_tree/: a copy of an older commit) and after, the GPU test tier,
-# the end-to-end table at 8 x 2 x 4096, the memory plan against a measured peak, the FP8 kernels.
-#   OUT=/tmp/out benchmarks/run_h200.sh
+# One device call's GPU work, by part (each bounded to fit one call of 10 minutes):
+#   OUT=/tmp/out benchmarks/run_h200.sh tier     # before/after Qwen3 step (before_tree/: an older
+#                                                # commit, `git archive <commit> | tar -x -C before_tree`),
+#                                                # the GPU test tier, the per-layer table
+#   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-QWEN="--layers 4 --microbatches 8 --micro-batch 1 --steps 3 --warmup 3"
-if [ -d before_tree ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before ./before_tree >/dev/null 2>&1
-  (cd before_tree && PYTHONPATH=/tmp/before timeout 120 python3 -m benchmarks.train_throughput $QWEN \
-    --sides fmoe --out "$OUT/qwen3_before.json" 2>&1 | grep -E "ms/step|Error")
-fi
+QWEN="--microbatches 8 --micro-batch 1 --steps 3 --warmup 3"
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-timeout 120 python3 -m benchmarks.train_throughput $QWEN --sides fmoe,fmoe_graphs \
-  --out "$OUT/qwen3_after.json" 2>&1 | grep -E "ms/step|Error"
-timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -4 | tee "$OUT/cuda_tier.txt"
-timeout 60 python3 -m benchmarks.plan_vs_measured --out "$OUT/plan_h200.json" 2>&1 | grep -E "planned|Error"
-timeout 150 python3 -m benchmarks.train_throughput --layers 4 --microbatches 8 --micro-batch 2 --steps 3 \
-  --warmup 3 --sides eager,fmoe,fmoe_graphs,fmoe_fp8_graphs --out "$OUT/tp_L4_mb2.json" 2>&1 | grep -E "ms/step|Error"
-timeout 120 python3 benchmarks/bench_fp8.py --parts dense_8192,qwen3_layer,bandwidth --out "$OUT/fp8.json" 2>&1 | tail -3
+case "${1:-tier}" in
+tier)
+  if [ -d before_tree ]; then
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before ./before_tree >/dev/null 2>&1
+    (cd before_tree && PYTHONPATH=/tmp/before timeout 100 python3 -m benchmarks.train_throughput --layers 4 \
+      $QWEN --sides fmoe,fmoe_graphs --out "$OUT/qwen3_before.json" 2>&1 | grep -E "ms/step|Error")
+  fi
+  timeout 100 python3 -m benchmarks.train_throughput --layers 4 $QWEN --sides fmoe,fmoe_graphs \
+    --out "$OUT/qwen3_after.json" 2>&1 | grep -E "ms/step|Error"
+  timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -4 \
+    | tee "$OUT/cuda_tier.txt"
+  for L in 4 8; do
+    timeout 110 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides eager,fmoe_graphs \
+      --out "$OUT/per_layer_L$L.json" 2>&1 | grep -E "ms/step|Error"
+  done
+  ;;
+stall)
+  timeout 560 python3 -m benchmarks.bench_checkpoint_stall --dir /tmp/stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25
+  ;;
+esac

@@ -56,14 +56,10 @@ def adamw_step_(
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
 ) -> None:
-    """One AdamW step, in place, on every parameter and its moments ``exp_avg/<name>``,
-    ``exp_avg_sq/<name>`` of ``state`` (the math: ``fmoe.optim.adamw``).
-
-    step: 0-d float32 tensor, the 1-based step (the bias corrections read it). lr: python number or
-    0-d float32 tensor. decays(name): whether the parameter gets weight decay. grad_scale: None or a
-    0-d float32 tensor the gradients are multiplied by. found_inf: None or a 0-d float32 tensor on
-    ``step``'s device; 1.0 leaves every parameter and moment as it is.
-    """
+    """One AdamW step (``fmoe.optim.adamw``'s math), in place, on the params and the moments
+    ``exp_avg/<name>``, ``exp_avg_sq/<name>`` of ``state``. step: the 1-based step, 0-d float32.
+    lr: a number or 0-d float32. decays(name): weight decay or not. grad_scale: None or 0-d float32,
+    the gradients' factor. found_inf: None or 0-d float32 on step's device; 1.0 changes nothing."""
     # Step 1: split the parameters between the two kernels (the fused kernels reject empty tensors)
     names = [n for n, p in params.items() if p.numel() > 0]
     own = [n for n in names if _takes_fmoe_kernel(params[n], grads[n], state, n, grad_scale)]

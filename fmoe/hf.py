@@ -55,11 +55,11 @@ class ExportError(ValueError):
 
 def byte_level_tokenizer_json(eos_token: str = "<|endoftext|>") -> str:
     """A ``tokenizers`` tokenizer.json whose ids are fmoe's byte ids: UTF-8 byte b -> id b, and
-    ``eos_token`` -> 256 (``fmoe.data.BYTES_EOS``), so text encodes as ``fmoe data build --tokenizer
-    bytes`` tokenizes it (no merges: one token per byte; no special tokens added on encode)."""
+    ``eos_token`` -> 256 (``fmoe.data_tokenizer.BYTES_EOS``), so text encodes as ``fmoe data build
+    --tokenizer bytes`` tokenizes it (no merges: one token per byte; no special tokens added on encode)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from fmoe.data import BYTES_EOS
+    from fmoe.data_tokenizer import BYTES_EOS
 
     # The byte-level pre-tokenizer spells each byte as one printable character (GPT-2's table:
     # printable Latin-1 bytes stand for themselves, the others take the code points from 256 up, in
@@ -92,7 +92,7 @@ def _tokenizer_files(tokenizer: str | os.PathLike, max_length: int) -> dict[str,
 
     tokenizer: "bytes" (fmoe's byte ids) or the path of the Hugging Face tokenizer.json the data was
     built with (copied as it is)."""
-    from fmoe.data import load_tokenizer
+    from fmoe.data_tokenizer import load_tokenizer
 
     if str(tokenizer) == "bytes":
         eos = "<|endoftext|>"
@@ -117,8 +117,9 @@ def special_token_ids(tokenizer: str | os.PathLike | None) -> dict[str, int | No
     """config.json's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` for a model trained on
     data ``tokenizer`` built (what transformers' ``generate`` starts from, stops at and pads with).
 
-    eos_token_id: the data's end-of-document id (``fmoe.data.load_tokenizer``: 256 for "bytes", the
-    EOS token's id for a tokenizer.json), which ``fmoe data build`` appends to every document.
+    eos_token_id: the data's end-of-document id (``fmoe.data_tokenizer.load_tokenizer``: 256 for
+    "bytes", the EOS token's id for a tokenizer.json), which ``fmoe data build`` appends to every
+    document.
     bos_token_id: the same id. The data build adds no BOS token (it encodes without special
     tokens), so every document but the stream's first starts right after an EOS: that is the
     token the model learned to begin a document from (GPT-2's convention), with the byte tokenizer
@@ -126,7 +127,7 @@ def special_token_ids(tokenizer: str | os.PathLike | None) -> dict[str, int | No
     pad_token_id: None: packed sequences hold no padding; the model never saw a pad token.
     tokenizer None (no tokenizer exported, ids unknown): all three None, transformers' defaults.
     """
-    from fmoe.data import load_tokenizer
+    from fmoe.data_tokenizer import load_tokenizer
 
     if tokenizer is None:
         return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}

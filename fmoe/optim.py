@@ -14,33 +14,23 @@ therefore just that dict (:func:`state_to_flat`), and it does not depend on the 
 
 Buffers: like JAX's buffer donation, ``update`` may overwrite the tensors of ``updates`` and the
 large tensors of ``state`` in place and return them; the caller must not reuse what it passed in.
-``params`` are never modified by ``update``. Speed: :func:`step` is the training loop's entry, one
-optimizer step that also applies the result, writing straight into the parameter tensors. AdamW
-takes the gradients in whatever float dtype they come (bf16 out of a bf16 model) without an fp32
-copy: fp32 parameters with gradients of another dtype, or with a scale to fold in, go through
-``fmoe.kernels.adamw`` (one Triton pass per tensor; bit for bit ``torch._fused_adamw_`` on the fp32
-copy, with torch 2.11) on CUDA, or on CPU under TRITON_INTERPRET=1, for tensors of at least
-``KERNEL_MIN_NUMEL`` elements; smaller ones, and plain CPU, convert their grads in one cat and take
-torch's kernel. The plain case (gradients in the params' dtype, no scale) runs
-``torch._fused_adamw_`` itself, the kernel of ``torch.optim.AdamW(fused=True)``.
+``params`` are never modified by ``update``. Every function runs under ``torch.no_grad()`` (inputs
+that require grad build no graph) and none syncs with the host: the global norm, the clip scale, the
+step count and the scheduled learning rate are tensors on the parameters' device.
 
-A transformation that only multiplies every update by one device scalar
-(:func:`clip_by_global_norm`) exposes it as its ``factor``; ``chain``'s fused step hands that
-scalar to the next fused step instead of scaling the gradients in a pass of their own, so
-``chain(clip_by_global_norm(c), adamw(...))`` reads each gradient once: on an H200, 3.2B params
-with bf16 grads take 23 ms a step, against 47 ms for fp32 copies + the clip's pass + torch's
-AdamW (benchmarks/results/optim_h200_3b.json). The optax-style ``update`` + :func:`apply_updates` route gives identical numbers (to
-rounding) but needs a copy of the params and more passes.
+Speed: :func:`step` is the training loop's entry, one optimizer step that also applies the result,
+writing straight into the parameter tensors. :func:`adamw`'s step runs on fused kernels and reads
+the gradients in whatever float dtype they come, without an fp32 copy (``fmoe.optim_fused``). A
+transformation that only multiplies every update by one device scalar (:func:`clip_by_global_norm`)
+exposes it as its ``factor``; ``chain``'s fused step hands that scalar to the next fused step, so
+``chain(clip_by_global_norm(c), adamw(...))`` reads each gradient once. The optax-style ``update`` +
+:func:`apply_updates` route gives the same numbers (to rounding) with a copy of the params and more
+passes. Step times against torch's AdamW and torchopt's (whose shape we keep, but whose states are
+tuples addressed by position): benchmarks/bench_optim.py, benchmarks/results/optim_h200*.json.
 
-Every function runs under ``torch.no_grad()``: inputs that require grad build no graph.
-
-No host sync: nothing here calls ``.item()``. The global norm, the clip scale, the step count and
-the scheduled learning rate are tensors on the parameters' device.
-
-We keep torchopt's shape of things (``GradientTransformation``, ``chain``, ``apply_updates`` with
-``inplace=True``) but not its code: its states are tuples of named tuples addressed by position (not
-checkpointable by parameter name) and its AdamW is a chain of elementwise ops, ~6x slower than the
-fused kernel on 1.07B parameters (56 ms vs 8.7 ms per step on an H200).
+:func:`adamw`'s fused step is tested against optax's composed definition,
+``fmoe.optim_composed.adamw = chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate)``.
+The learning-rate schedules live in ``fmoe.lr_schedules`` and are importable from here.
 """
 
 from __future__ import annotations
@@ -52,14 +42,27 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fmoe.kernels import adamw as adamw_kernel
-from fmoe.kernels._triton import use_triton
+from fmoe import optim_fused
+from fmoe.lr_schedules import Schedule, warmup_cosine, warmup_stable_decay
+from fmoe.optim_fused import group_by_device_dtype
+
+__all__ = [
+    "GradientTransformation",
+    "adamw",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "default_decay_mask",
+    "scale_updates",
+    "state_from_flat",
+    "state_to_flat",
+    "step",
+    "warmup_cosine",
+    "warmup_stable_decay",
+]
 
 Params = dict[str, Tensor]
 State = dict[str, Tensor]
-# A schedule maps the number of steps done so far (python int, or a 0-d tensor) to a learning rate
-# (python float for an int, 0-d float32 tensor on the step's device for a tensor).
-Schedule = Callable[[int | Tensor], float | Tensor]
 
 
 class GradientTransformation(NamedTuple):
@@ -130,10 +133,9 @@ def chain(*transforms: GradientTransformation, skip_nonfinite: bool = False) -> 
         grad_scale: Tensor | None = None,
         found_inf: Tensor | None = None,
     ) -> tuple[Params, State]:
-        # A member with a factor only scales: keep its scalar pending and hand it to the last
-        # member's fused step, which folds it into its own pass over the gradients. A pending
-        # scale is applied to the gradients only before a member that has to read them scaled.
-        # skip_nonfinite: a non-finite factor (the clip's, for a NaN or infinite norm) skips the step.
+        # A member with a factor only scales: its scalar stays pending, handed to the last member's
+        # fused step (folded into its pass over the gradients) or applied before a member that
+        # reads the gradients. skip_nonfinite: a non-finite factor skips the step.
         pending = grad_scale
         for tx in transforms[:-1]:
             if pending is not None:
@@ -161,7 +163,7 @@ def apply_updates(params: Params, updates: Params, inplace: bool = True) -> Para
     names = list(params)
     if not inplace:
         return {n: params[n] + updates[n].to(params[n].dtype) for n in names}
-    for group in _group(params, names).values():
+    for group in group_by_device_dtype(params, names).values():
         torch._foreach_add_([params[n] for n in group], [updates[n].to(params[n].dtype) for n in group])
     return dict(params)
 
@@ -201,7 +203,7 @@ def step(
 def scale_updates(updates: Params, scale: Tensor) -> Params:
     """Multiply every update in place by the 0-d tensor ``scale`` (one ``torch._foreach_mul_`` per
     device/dtype group, the scale cast to the group's dtype); returns the same tensors."""
-    for group in _group(updates, [n for n in updates if updates[n].numel() > 0]).values():
+    for group in group_by_device_dtype(updates, [n for n in updates if updates[n].numel() > 0]).values():
         ts = [updates[n] for n in group]
         torch._foreach_mul_(ts, scale.to(device=ts[0].device, dtype=ts[0].dtype))
     return updates
@@ -269,52 +271,21 @@ def adamw(
         p <- p * (1 - lr_t * wd)                              (only where mask says decay)
         m <- b1 m + (1 - b1) g ;  v <- b2 v + (1 - b2) g^2
         p <- p - lr_t * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
-    exactly as ``torch.optim.AdamW``. A schedule is called with the step count tensor (steps done
-    before this one) and must return a 0-d tensor on its device (the schedules here do).
+    exactly as ``torch.optim.AdamW``, and as ``fmoe.optim_composed.adamw`` (to float32 rounding). A
+    schedule gets the step count tensor (steps done before this one) and returns a 0-d tensor on its
+    device. The step is ``fmoe.optim_fused.adamw_step_``; ``update`` runs it on a copy of the params.
 
     mask: which parameters get weight decay, as in optax: ``mask(name) -> True`` (or
     ``mask[name] == True``) means decay; None decays all. :func:`default_decay_mask` gives the
     usual "matrices only" dict. State (fp32 params give fp32 state): ``step`` 0-d float32 (exact
     to 2**24 steps), ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` shaped and typed like the param.
-
-    The fused step takes grads in the params' dtype through ``torch._fused_adamw_``; fp32 params
-    with grads of another float dtype (bf16, fp16), or with a ``grad_scale`` to fold in, through
-    ``fmoe.kernels.adamw`` (same math and rounding) for tensors of at least ``KERNEL_MIN_NUMEL``
-    elements where it runs (CUDA, or the interpreter); the others through ``torch._fused_adamw_``
-    after one batched fp32 conversion and a scaling pass.
     """
-    for field, value, lo, hi in (("b1", b1, 0.0, 1.0), ("b2", b2, 0.0, 1.0)):
-        if not (isinstance(value, int | float) and lo <= value < hi):
-            raise ValueError(f"adamw: {field} must be in [{lo}, {hi}), got {value!r}")
-    for field, value in (("eps", eps), ("weight_decay", weight_decay)):
-        if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
-            raise ValueError(f"adamw: {field} must be a finite number >= 0, got {value!r}")
-    if not callable(lr) and not (isinstance(lr, int | float) and lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"adamw: lr must be a number >= 0 or a schedule (step -> lr), got {lr!r}")
-    if mask is not None and not (callable(mask) or isinstance(mask, Mapping)):
-        raise ValueError(
-            f"adamw: mask must be None, a callable name -> bool or a dict, got {type(mask).__name__}"
-        )
-
-    def decays(name: str) -> bool:
-        if mask is None:
-            return True
-        if callable(mask):
-            return bool(mask(name))
-        if name not in mask:
-            raise ValueError(f"adamw: mask has no entry for parameter {name!r}")
-        return bool(mask[name])
+    _check_adamw_args(lr, b1, b2, eps, weight_decay, mask)
+    decays = _decay_rule(mask)
 
     @torch.no_grad()
     def init(params: Params) -> State:
-        state: State = {"step": torch.zeros((), dtype=torch.float32, device=_device_of(params))}
-        for name, p in params.items():
-            if not p.is_floating_point():
-                raise ValueError(f"adamw: parameter {name!r} has dtype {p.dtype}, expected a floating type")
-            decays(name)  # a dict mask missing a name fails here, at init, not in the first step
-            state[f"exp_avg/{name}"] = torch.zeros_like(p)
-            state[f"exp_avg_sq/{name}"] = torch.zeros_like(p)
-        return state
+        return _adamw_init(params, decays)
 
     @torch.no_grad()
     def step_(
@@ -325,67 +296,14 @@ def adamw(
         found_inf: Tensor | None = None,
     ) -> tuple[Params, State]:
         _check_same_keys(params, grads, "grads")
-        count = state["step"]
-        lr_t = lr(count) if callable(lr) else float(lr)
-        count = count + 1  # the kernels read the 1-based step for the bias corrections
-        names = [n for n, p in params.items() if p.numel() > 0]  # the fused kernel rejects empty tensors
+        lr_t = lr(state["step"]) if callable(lr) else float(lr)
+        count = state["step"] + 1  # the kernels read the 1-based step for the bias corrections
         if found_inf is not None:
             found_inf = found_inf.to(device=count.device, dtype=torch.float32)
-        # fp32 params whose grads come in another dtype or are to be scaled: fmoe's kernel, which
-        # reads the grads as they are and folds the scale in (no copy, no scaling pass). The plain
-        # case keeps torch's fused kernel: it is torch.optim.AdamW(fused=True) by construction, and
-        # one multi-tensor launch per group where fmoe's kernel launches once per tensor. (fmoe's
-        # kernel gives the same bits with torch 2.11 and is not slower: on an H200, 1.07B fp32
-        # params, clip folded in and norm included, 8.70 ms a step against 8.72 ms for torch's
-        # plain step without a clip; taking it for large plain tensors would gain little.)
-        own = [n for n in names if _own_kernel(params[n], grads[n], state, n, grad_scale)]
-        mine = set(own)
-        for (device, _dtype), group in _group(params, own).items():
-            lr_dev = lr_t.to(device=device, dtype=torch.float32) if isinstance(lr_t, Tensor) else lr_t
-            scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32)
-            for decay in (True, False):
-                sub = [n for n in group if decays(n) == decay]
-                if sub:
-                    adamw_kernel.adamw_(
-                        [params[n] for n in sub],
-                        [grads[n] for n in sub],
-                        [state[f"exp_avg/{n}"] for n in sub],
-                        [state[f"exp_avg_sq/{n}"] for n in sub],
-                        step=count.to(device),
-                        lr=lr_dev,
-                        beta1=b1,
-                        beta2=b2,
-                        eps=eps,
-                        weight_decay=weight_decay if decay else 0.0,
-                        grad_scale=scale,
-                        found_inf=None if found_inf is None else found_inf.to(device),
-                    )
-        for (device, _dtype), group in _group(params, [n for n in names if n not in mine]).items():
-            lr_dev = lr_t.to(device=device, dtype=torch.float32) if isinstance(lr_t, Tensor) else lr_t
-            steps = [count.to(device)] * len(group)
-            gs = dict(zip(group, _to_dtype([grads[n] for n in group], [params[n] for n in group])))
-            if grad_scale is not None:  # e.g. bf16 params: scale in a pass of its own, as update does
-                gs = scale_updates(gs, grad_scale)
-            for decay in (True, False):
-                sub = [n for n in group if decays(n) == decay]
-                if not sub:
-                    continue
-                torch._fused_adamw_(
-                    [params[n] for n in sub],
-                    [gs[n] for n in sub],
-                    [state[f"exp_avg/{n}"] for n in sub],
-                    [state[f"exp_avg_sq/{n}"] for n in sub],
-                    [],
-                    steps[: len(sub)],
-                    lr=lr_dev,
-                    beta1=b1,
-                    beta2=b2,
-                    weight_decay=weight_decay if decay else 0.0,
-                    eps=eps,
-                    amsgrad=False,
-                    maximize=False,
-                    found_inf=None if found_inf is None else found_inf.to(device),
-                )
+        optim_fused.adamw_step_(
+            params, grads, state, count, lr_t, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+            decays=decays, grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
         if found_inf is not None:  # a skipped step is not counted (the schedule does not advance)
             count = count - found_inf
         return params, {**state, "step": count}
@@ -396,8 +314,7 @@ def adamw(
             raise ValueError("adamw: update needs params (the weight decay and the fused kernel read them)")
         # Run the fused step on a copy of the params, then report the difference as the update.
         new, state = step_(updates, state, {n: p.clone() for n, p in params.items()})
-        names = list(params)
-        for group in _group(params, names).values():
+        for group in group_by_device_dtype(params, list(params)).values():
             torch._foreach_sub_([new[n] for n in group], [params[n] for n in group])
         return new, state
 
@@ -408,75 +325,6 @@ def default_decay_mask(params: Params) -> dict[str, bool]:
     """nanoGPT's rule as an ``adamw`` mask: decay tensors of 2 or more dims (matmul weights,
     embeddings), not vectors (biases, norm scales)."""
     return {name: p.dim() >= 2 for name, p in params.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# learning-rate schedules: python int -> python float, 0-d tensor -> 0-d float32 tensor (no sync)
-
-
-def warmup_cosine(peak: float, warmup: int, total: int, final: float = 0.0) -> Schedule:
-    """Linear warmup to ``peak`` then cosine decay to ``final`` at step ``total`` (held after).
-
-    lr(s) = peak * (s + 1) / warmup                                  for s < warmup
-          = final + (peak - final) * (1 + cos(pi * p)) / 2,  p = (s - warmup) / (total - warmup)
-    with p clamped to [0, 1]; s counts the steps done before the current one (0 for the first).
-    """
-    _check_schedule(peak, warmup, total, final, "warmup_cosine")
-    span = max(total - warmup, 1)
-
-    def schedule(s: int | Tensor) -> float | Tensor:
-        if isinstance(s, Tensor):
-            s = s.to(torch.float32)
-            p = ((s - warmup) / span).clamp(0.0, 1.0)
-            cos = final + (peak - final) * 0.5 * (1.0 + torch.cos(math.pi * p))
-            return torch.where(s < warmup, peak * (s + 1.0) / max(warmup, 1), cos)
-        if s < warmup:
-            return peak * (s + 1) / warmup
-        p = min(max((s - warmup) / span, 0.0), 1.0)
-        return final + (peak - final) * 0.5 * (1.0 + math.cos(math.pi * p))
-
-    return schedule
-
-
-def warmup_stable_decay(
-    peak: float, warmup: int, total: int, decay: int, final: float = 0.0, shape: str = "linear"
-) -> Schedule:
-    """Warmup-stable-decay (WSD): linear warmup, ``peak`` until ``total - decay``, then decay to
-    ``final`` over the last ``decay`` steps (held after ``total``).
-
-    shape: "linear" (peak -> final linearly), "sqrt" (1 - sqrt: lr = peak - (peak - final) sqrt(p),
-    Hägele et al. 2024) or "cosine", with p in [0, 1] the fraction of the decay phase done.
-    """
-    _check_schedule(peak, warmup, total, final, "warmup_stable_decay")
-    if not (isinstance(decay, int) and 0 <= decay <= total - warmup):
-        raise ValueError(f"warmup_stable_decay: decay must be an int in [0, total - warmup], got {decay!r}")
-    if shape not in ("linear", "sqrt", "cosine"):
-        raise ValueError(f"warmup_stable_decay: shape must be 'linear', 'sqrt' or 'cosine', got {shape!r}")
-    start = total - decay
-
-    def schedule(s: int | Tensor) -> float | Tensor:
-        if isinstance(s, Tensor):
-            s = s.to(torch.float32)
-            p = ((s - start) / max(decay, 1)).clamp(0.0, 1.0)
-            if shape == "linear":
-                frac = p
-            elif shape == "sqrt":
-                frac = p.sqrt()
-            else:
-                frac = 0.5 * (1.0 - torch.cos(math.pi * p))
-            return torch.where(s < warmup, peak * (s + 1.0) / max(warmup, 1), peak - (peak - final) * frac)
-        if s < warmup:
-            return peak * (s + 1) / warmup
-        p = min(max((s - start) / max(decay, 1), 0.0), 1.0)
-        if shape == "linear":
-            frac = p
-        elif shape == "sqrt":
-            frac = math.sqrt(p)
-        else:
-            frac = 0.5 * (1.0 - math.cos(math.pi * p))
-        return peak - (peak - final) * frac
-
-    return schedule
 
 
 # --------------------------------------------------------------------------------------------------
@@ -531,65 +379,57 @@ def state_from_flat(tx: GradientTransformation, flat: Mapping[str, Tensor], para
 # helpers
 
 
+def _check_adamw_args(
+    lr: object, b1: float, b2: float, eps: float, weight_decay: float, mask: object
+) -> None:
+    """ValueError naming the first bad hyperparameter of :func:`adamw`."""
+    for field, value, lo, hi in (("b1", b1, 0.0, 1.0), ("b2", b2, 0.0, 1.0)):
+        if not (isinstance(value, int | float) and lo <= value < hi):
+            raise ValueError(f"adamw: {field} must be in [{lo}, {hi}), got {value!r}")
+    for field, value in (("eps", eps), ("weight_decay", weight_decay)):
+        if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+            raise ValueError(f"adamw: {field} must be a finite number >= 0, got {value!r}")
+    if not callable(lr) and not (isinstance(lr, int | float) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"adamw: lr must be a number >= 0 or a schedule (step -> lr), got {lr!r}")
+    if mask is not None and not (callable(mask) or isinstance(mask, Mapping)):
+        raise ValueError(
+            f"adamw: mask must be None, a callable name -> bool or a dict, got {type(mask).__name__}"
+        )
+
+
+def _decay_rule(mask: Callable[[str], bool] | Mapping[str, bool] | None) -> Callable[[str], bool]:
+    """``mask`` as a function name -> "this parameter gets weight decay"; a dict without the name
+    raises ValueError naming it."""
+
+    def decays(name: str) -> bool:
+        if mask is None:
+            return True
+        if callable(mask):
+            return bool(mask(name))
+        if name not in mask:
+            raise ValueError(f"adamw: mask has no entry for parameter {name!r}")
+        return bool(mask[name])
+
+    return decays
+
+
+def _adamw_init(params: Params, decays: Callable[[str], bool]) -> State:
+    """AdamW's state for ``params``: ``step`` (0-d float32, 0) and zero ``exp_avg/<name>``,
+    ``exp_avg_sq/<name>`` like each parameter."""
+    state: State = {"step": torch.zeros((), dtype=torch.float32, device=_device_of(params))}
+    for name, p in params.items():
+        if not p.is_floating_point():
+            raise ValueError(f"adamw: parameter {name!r} has dtype {p.dtype}, expected a floating type")
+        decays(name)  # a dict mask missing a name fails here, at init, not in the first step
+        state[f"exp_avg/{name}"] = torch.zeros_like(p)
+        state[f"exp_avg_sq/{name}"] = torch.zeros_like(p)
+    return state
+
+
 def _device_of(params: Params) -> torch.device:
     for p in params.values():
         return p.device
     return torch.device("cpu")
-
-
-def _group(
-    tensors: Mapping[str, Tensor], names: list[str]
-) -> dict[tuple[torch.device, torch.dtype], list[str]]:
-    """Names grouped by (device, dtype): foreach/fused kernels take one device and dtype per call."""
-    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
-    for n in names:
-        t = tensors[n]
-        groups.setdefault((t.device, t.dtype), []).append(n)
-    return groups
-
-
-# Below this many elements a tensor's gradient takes the copy route even where fmoe's kernel runs:
-# a Triton launch costs ~30 us of host time, more than the kernel's GPU time for a tensor this small
-# (26 bytes an element at ~4 TB/s), so one launch per small tensor leaves the GPU waiting on the
-# host. On an H200, 2048 tensors of 16K elements (clip + AdamW, bf16 grads): 67 ms a step with a
-# launch each, 32 ms through the old per-tensor .float() copies, 29 ms through this route, which
-# converts all such gradients in one cat and steps them in torch's multi-tensor kernel
-# (benchmarks/results/optim_h200_small*.json; torch's clip + fused AdamW on fp32 grads, no
-# conversion to do, takes 14 ms there). Tests set it to 0 to run the kernel on small tensors.
-KERNEL_MIN_NUMEL = 1 << 22
-
-
-def _own_kernel(p: Tensor, g: Tensor, state: State, name: str, grad_scale: Tensor | None) -> bool:
-    """Whether fmoe's AdamW kernel takes this parameter: fp32, at least KERNEL_MIN_NUMEL elements,
-    contiguous tensors all round, a gradient of another float dtype or a scale to fold in, and a
-    device where the Triton kernel runs (CUDA, or CPU under TRITON_INTERPRET=1). Else torch's fused
-    kernel, after a copy and a scaling pass where needed."""
-    if p.dtype != torch.float32 or not (g.dtype != p.dtype or grad_scale is not None):
-        return False
-    if p.numel() < KERNEL_MIN_NUMEL or not use_triton(p):  # CPU: torch's CPU kernel after a copy is fast
-        return False
-    m, v = state[f"exp_avg/{name}"], state[f"exp_avg_sq/{name}"]
-    return (
-        g.is_floating_point()
-        and g.shape == p.shape
-        and g.device == p.device
-        and all(t.is_contiguous() for t in (p, g, m, v))
-        and m.dtype == v.dtype == torch.float32
-    )
-
-
-def _to_dtype(grads: list[Tensor], params: list[Tensor]) -> list[Tensor]:
-    """``grads[i]`` in ``params[i]``'s dtype (one dtype for all params). Those of another dtype whose
-    param is contiguous are converted through one cat (a few kernels for any number of tensors, not
-    one each) and come back as views of it; the others by ``.to``, which keeps their strides."""
-    dtype = params[0].dtype
-    out = [g if g.dtype == dtype or p.is_contiguous() else g.to(dtype) for g, p in zip(grads, params)]
-    idx = [i for i, (g, p) in enumerate(zip(grads, params)) if g.dtype != dtype and p.is_contiguous()]
-    if idx:
-        flat = torch.cat([grads[i].reshape(-1) for i in idx]).to(dtype)
-        for i, piece in zip(idx, flat.split([grads[i].numel() for i in idx])):
-            out[i] = piece.view(grads[i].shape)
-    return out
 
 
 def _skip_if_nonfinite(scale: Tensor, found_inf: Tensor | None) -> Tensor:
@@ -605,12 +445,8 @@ def _check_same_keys(params: Mapping[str, Tensor], other: Mapping[str, Tensor], 
         raise ValueError(f"{what} do not match the parameters: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
-def _check_schedule(peak: float, warmup: int, total: int, final: float, fn: str) -> None:
-    if not (isinstance(peak, int | float) and peak >= 0):
-        raise ValueError(f"{fn}: peak must be a number >= 0, got {peak!r}")
-    if not (isinstance(final, int | float) and final >= 0):
-        raise ValueError(f"{fn}: final must be a number >= 0, got {final!r}")
-    if not (isinstance(warmup, int) and warmup >= 0):
-        raise ValueError(f"{fn}: warmup must be an int >= 0, got {warmup!r}")
-    if not (isinstance(total, int) and total >= warmup):
-        raise ValueError(f"{fn}: total must be an int >= warmup ({warmup}), got {total!r}")
+def _check_same_keys(params: Mapping[str, Tensor], other: Mapping[str, Tensor], what: str) -> None:
+    if len(params) != len(other) or any(n not in other for n in params):
+        missing = [n for n in params if n not in other]
+        extra = [n for n in other if n not in params]
+        raise ValueError(f"{what} do not match the parameters: missing {missing[:5]}, unexpected {extra[:5]}")

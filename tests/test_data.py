@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fmoe import data
+from fmoe import data, data_tokenizer
 
 
 def _corpus(tmp_path: Path) -> tuple[list[Path], list[str]]:
@@ -35,7 +35,7 @@ def _expected_stream(docs: list[str]) -> np.ndarray:
     ids: list[int] = []
     for d in docs:
         ids.extend(d.encode("utf-8"))
-        ids.append(data.BYTES_EOS)
+        ids.append(data_tokenizer.BYTES_EOS)
     return np.array(ids)
 
 
@@ -211,7 +211,7 @@ def test_trained_bpe_tokenizer_builds_a_dataset_that_decodes_to_the_text(tmp_pat
     from tokenizers import Tokenizer
 
     inputs, docs = _corpus(tmp_path)
-    path = data.train_tokenizer(inputs, 300, tmp_path / "tok.json")
+    path = data_tokenizer.train_tokenizer(inputs, 300, tmp_path / "tok.json")
     index = data.build(inputs, tmp_path / "ds", path, shard_size=4096)
     tok = Tokenizer.from_file(str(path))
     assert (
@@ -325,13 +325,13 @@ def test_a_long_single_line_builds_in_bounded_memory_in_shards_of_shard_size(tmp
     """Defect 6: a 5.8 MB text without a newline went to the tokenizer in one call (~65 bytes of
     memory per input byte: its peak grew by 384 MB here) into one shard, whatever --shard-size. Now the text is
     cut into bounded parts: the build's peak memory grows by a bounded amount (the bound is set by
-    _TEXT_CHUNK / _BATCH_CHARS, not by the input), and a .txt's shards follow shard_size. A .jsonl
+    data_inputs.TEXT_CHUNK / data_build._BATCH_CHARS, not by the input), and a .txt's shards follow shard_size. A .jsonl
     line is one JSON document, read whole (a few times its size) but tokenized in bounded parts;
     it stays in one shard."""
     from tokenizers import Tokenizer
 
     inputs, _ = _corpus(tmp_path)
-    tok = data.train_tokenizer(inputs, 300, tmp_path / "tok.json")
+    tok = data_tokenizer.train_tokenizer(inputs, 300, tmp_path / "tok.json")
     rng = np.random.default_rng(1)
     words = ["alpha", "beta", "gamma", "délta", "mixture", "of", "experts", "\N{GREEK SMALL LETTER PI}"]
     line = " ".join(rng.choice(words, size=1_000_000))  # 5.8 MB, no newline

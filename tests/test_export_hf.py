@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import MODEL, toml_text
 
-from fmoe import checkpoint, cli, data, hf
+from fmoe import checkpoint, cli, data, data_tokenizer, hf
 from fmoe import recipe as R
 from fmoe.stages import qwen3_moe
 
@@ -189,7 +189,7 @@ def test_a_recipes_tokenizer_json_is_copied_into_the_export(run, tmp_path, capsy
     ids = {
         k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items() if "token_id" in k
     }
-    eos = data.load_tokenizer(tokenizer).eos_id
+    eos = data_tokenizer.load_tokenizer(tokenizer).eos_id
     assert ids == {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": None}
 
 

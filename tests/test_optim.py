@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmoe import optim
+from fmoe import optim, optim_composed, optim_fused
 
 STEPS = 10
 
@@ -110,6 +110,39 @@ def test_adamw_with_clip_and_schedule_matches_torch_adamw_over_10_steps(route):
         torch.testing.assert_close(
             state[f"exp_avg_sq/{name}"], st["exp_avg_sq"], rtol=0, atol=moment_atol(STEPS, max_norm)
         )
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["fmoe", "torch"])
+def test_fused_adamw_equals_the_composed_definition_over_10_steps(grad_dtype, kernel, monkeypatch):
+    """optax's definition, chain(scale_by_adam, add_decayed_weights, scale_by_learning_rate), fed the
+    fp32 values of the same gradients, against the fused step on either kernel (fmoe's reads bf16
+    grads and folds the clip in; torch's after a conversion and a scaling pass). The bounds are the
+    ones derived at the top of this file: the two round in another order, nothing more."""
+    monkeypatch.setattr(optim_fused, "KERNEL_MIN_NUMEL", 0 if kernel == "fmoe" else 1 << 62)
+    sched = optim.warmup_cosine(3e-2, warmup=3, total=STEPS, final=3e-3)
+    mask = optim.default_decay_mask(_params())
+    hyper = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask)
+    fused = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(sched, **hyper))
+    composed = optim.chain(optim.clip_by_global_norm(1.0), optim_composed.adamw(sched, **hyper))
+    p_fused, p_comp = _params(), _params()
+    s_fused, s_comp = fused.init(p_fused), composed.init(p_comp)
+    for s in range(STEPS):
+        grads = {n: g.to(grad_dtype) for n, g in _grads(s, p_fused).items()}
+        updates, s_comp = composed.update(
+            {n: g.to(torch.float32, copy=True) for n, g in grads.items()}, s_comp, p_comp
+        )
+        p_comp = optim.apply_updates(p_comp, updates, inplace=False)
+        p_fused, s_fused = optim.step(fused, grads, s_fused, p_fused)
+        assert float(s_fused["grad_norm"]) > 1.0  # the clip is active every step
+    assert int(s_fused["step"]) == int(s_comp["step"]) == int(s_comp["lr_step"]) == STEPS
+    for n in p_fused:
+        torch.testing.assert_close(p_fused[n], p_comp[n], rtol=0, atol=param_atol(STEPS))
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = s_comp[f"{k}/{n}"]
+            torch.testing.assert_close(s_fused[f"{k}/{n}"], want, rtol=0, atol=moment_atol(STEPS, 1.0))
+    moved = max(float((p_fused[n] - p).abs().max()) for n, p in _params().items())
+    assert moved > 100 * param_atol(STEPS)  # the steps moved the params far beyond the tolerance
 
 
 def test_adamw_mask_false_params_get_no_weight_decay():
@@ -307,7 +340,7 @@ def test_bench_optim_runs_on_cpu_and_writes_json(tmp_path):
 @pytest.fixture
 def kernel_everywhere(monkeypatch):
     """fmoe's AdamW kernel for tensors of any size (by default small ones take the copy route)."""
-    monkeypatch.setattr(optim, "KERNEL_MIN_NUMEL", 0)
+    monkeypatch.setattr(optim_fused, "KERNEL_MIN_NUMEL", 0)
 
 
 def _bf16_grads(step: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -332,7 +365,7 @@ def test_chain_clip_adamw_on_bf16_grads_equals_float_grads_through_the_old_path(
     sq_norm_reduce, route, monkeypatch
 ):
     if route == "kernel":
-        monkeypatch.setattr(optim, "KERNEL_MIN_NUMEL", 0)
+        monkeypatch.setattr(optim_fused, "KERNEL_MIN_NUMEL", 0)
     sched = optim.warmup_cosine(3e-2, warmup=2, total=STEPS, final=3e-3)
     mask = optim.default_decay_mask(_params())
     clip, adam, tx = _clip_adamw(sched, mask, sq_norm_reduce)

@@ -239,7 +239,7 @@ def export_hf(
     """
     fam = family(family_name)
     if fam.hf is None:
-        raise ExportError(f"model family {family_name!r} has no Hugging Face mapping (its Family.hf is None)")
+        raise ExportError(f"model family {fam.name!r} has no Hugging Face mapping (its Family.hf is None)")
     out_dir = Path(out_dir).resolve()  # "." and "x/.." name their folder, not ""
     _check_out_dir(out_dir, overwrite, tuple(Path(p).resolve() for p in protect))
     meta = (

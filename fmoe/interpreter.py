@@ -10,27 +10,17 @@ in order. Nothing here knows one schedule from another: F, B, W, BW and FB run a
 (``fmoe.pipeline``), SEND/RECV move the chunk's carry tuple, and per-(microbatch, chunk) state lives
 in dicts that each row pops from, so an activation is dropped as soon as its B (or its W) has run.
 
-Data between stages is the runner's: a chunk's input is the carry of the previous pipeline stage
-(the same rank's other chunk, or a RECV_F), each model stage gets its batch fields appended, and each
-stage's weighted loss outputs are kept per (microbatch, model stage). B seeds the loss outputs with
-``1 / microbatches``. At the end the loss terms of all ranks are summed into one [microbatches,
-terms] matrix (each slot is written by exactly one rank, so the sum is exact), and every rank forms
-each microbatch's loss with ``runner.sum_terms`` in stage order and the step loss with
-``runner.mean_loss``: the same float operations as the sequential runner.
+Data between stages is the runner's: each model stage runs through ``runner.forward_stage`` /
+``backward_stage`` / ``weight_grads`` (the one F/B/W sequence), a chunk's input is the carry of the
+previous pipeline stage (the same rank's other chunk, or a RECV_F), and the loss terms go into a
+``runner.LossTerms``. B seeds the loss outputs with ``1 / microbatches``. At the end the loss terms
+of all ranks are summed into one [microbatches, terms] matrix (each slot is written by exactly one
+rank, so the sum is exact), and every rank forms the losses as the sequential runner does.
 
-Transfers: a SEND posts a header (int64 [HEADER]: count, then dtype code, ndim, sizes per tensor; -1
-for a missing gradient) and then each tensor, asynchronously (``isend``; the handles are waited on
-later, which is never less safe than blocking sends the validator proved deadlock-free); a RECV
-reads the header, then the tensors. Integer tensors (expert ids, orders) travel like the others and
-get no gradient.
-
-FB runs the forward of one (microbatch, chunk) and the full backward of another stage by stage, in
-the order of a small table over the five layer stages (``FB_ORDER``, Pith-Train's by default): a
-token like "B5+1" runs, on the backward side, the next stages whose ``Stage.role`` (attn=1, dispatch=2,
-mlp=3, combine=4, aggregate=5; 0 for the embed, head and other roles, which run with the token that
-reaches them) is in {5, 1}, at most one stage per role, so a cycle of the tokens walks one layer of
-each side; "B3i" runs an input-only B (its W waits for a "W3" token). On CPU the order runs
-sequentially; putting comm stages on a side CUDA stream is left for later.
+Rows are run by a handler per action kind (``HANDLERS``); SEND/RECV go through ``fmoe.p2p``, FB
+interleaves its two halves in the order ``fmoe.fb_order`` reads (on CPU sequentially; putting the
+comm stages on a side CUDA stream is left for later). A failing rank's error carries its whole
+table with the failing row marked.
 
 Ownership (``fmoe.stage``'s rules): a chunk's carry and input gradients go to the rank's other chunk
 as the same tensor objects, and to a SEND as buffers the send reads until it is waited on; nothing
@@ -43,7 +33,6 @@ Failures: see ``fmoe.dist`` (a failure key in the group's store that blocked ran
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,7 +41,8 @@ from torch import Tensor
 from fmoe import dist as D
 from fmoe import pipeline as P
 from fmoe import runner as R
-from fmoe import stage as S
+from fmoe.fb_order import FB_ORDER, FBStep, parse_fb_order, role
+from fmoe.p2p import Channel
 from fmoe.schedules.table import (
     Action,
     ActionKind,
@@ -64,62 +54,7 @@ from fmoe.schedules.table import (
     stage_of,
 )
 from fmoe.schedules.verify import lower, validate
-from fmoe.stages.spec import LAYER_ROLES, Model, Stage, StageContext
-
-HEADER = 64
-_DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-)  # fmt: skip
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
-# the FB order's role numbers: attn=1, dispatch=2, mlp=3, combine=4, aggregate=5
-ROLES = {name: i + 1 for i, name in enumerate(LAYER_ROLES)}
-FB_ORDER = "B5+1 | F4 | B4 | F5+1 | B3i | F2 | B2 | W3 | F3"
-
-
-@dataclass(frozen=True)
-class FBStep:
-    """One token of an FB order: side "F", "B" or "W"; the layer-stage roles it runs; for B, whether
-    only the input gradient runs now (the W waits for a later W token of that role)."""
-
-    side: str
-    roles: frozenset[int]
-    input_only: bool = False
-
-
-def parse_fb_order(text: str) -> tuple[FBStep, ...]:
-    """'B5+1 | F4 | B3i | W3 | ...' -> FBSteps. Every side must name every role 1..5 once per cycle."""
-    steps = []
-    for tok in (t.strip() for t in text.split("|")):
-        if not tok:
-            continue
-        side, rest = tok[0].upper(), tok[1:]
-        input_only = rest.endswith("i")
-        rest = rest.removesuffix("i")
-        try:
-            roles = frozenset(int(x) for x in rest.split("+"))
-        except ValueError:
-            raise ValueError(f"FB order token {tok!r}: expected like 'F4', 'B5+1' or 'B3i'") from None
-        if side not in "FBW" or not roles <= set(ROLES.values()) or (input_only and side != "B"):
-            raise ValueError(f"FB order token {tok!r}: side F/B/W, roles 1..5, 'i' only after B")
-        steps.append(FBStep(side, roles, input_only))
-    for side in "FB":
-        covered = sorted(r for s in steps if s.side == side for r in s.roles)
-        if covered != [1, 2, 3, 4, 5]:
-            raise ValueError(f"FB order {text!r}: side {side} must name each role 1..5 once, got {covered}")
-    deferred = {r for s in steps if s.input_only for r in s.roles}
-    named_w = {r for s in steps if s.side == "W" for r in s.roles}
-    if deferred - named_w:
-        raise ValueError(
-            f"FB order {text!r}: input-only B of roles {sorted(deferred - named_w)} has no W token"
-        )
-    return tuple(steps)
-
-
-def role(stage: Stage) -> int:
-    """The FB order's number of a stage's ``role`` (0: not one of the five layer roles)."""
-    return ROLES.get(stage.role, 0)
-
+from fmoe.stages.spec import Model, StageContext
 
 # ----------------------------------------------------------------------------------------------
 # per-rank state and the two halves of a chunk's work
@@ -147,7 +82,7 @@ class _Rank:
         self.works: dict[tuple[int, int], list] = {}
         self.grads: dict[str, Tensor] = {}
         self.statistics: dict[str, Tensor] = {}  # this rank's stages' counts, summed over microbatches
-        self.pending: list = []  # (work, tensors kept alive) of posted sends
+        self.link = Channel(group, rank, timeout_s)  # sends and receives to the other pipeline ranks
 
     def neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
         """(rank, chunk) of the pipeline stage ``step`` (+1 next, -1 previous) from ``chunk``'s."""
@@ -286,78 +221,6 @@ def _run_fb(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# transfers
-
-
-def _send(st: _Rank, tensors: tuple, peer: int, what: str) -> None:
-    header = torch.zeros(HEADER, dtype=torch.int64)
-    header[0] = len(tensors)
-    at, payload = 1, []
-    for t in tensors:
-        if t is None:
-            need = [-1, -1]
-        else:
-            if t.dtype not in _CODE:
-                raise S.StageError(f"{what}: cannot send a tensor of dtype {t.dtype}")
-            need = [_CODE[t.dtype], t.dim(), *t.shape]
-            payload.append(t.contiguous().view(torch.uint8) if t.dtype == torch.bool else t.contiguous())
-        if at + len(need) > HEADER:
-            raise S.StageError(f"{what}: the carry tuple needs more than {HEADER} header words")
-        header[at : at + len(need)] = torch.tensor(need)
-        at += len(need)
-    dev = _device(st)
-    header = header.to(dev)
-    gpeer = D.global_rank(st.group, peer)
-    ops = [dist.P2POp(dist.isend, header, gpeer, st.group)]
-    ops += [dist.P2POp(dist.isend, t, gpeer, st.group) for t in payload]
-    works = dist.batch_isend_irecv(ops)
-    st.pending.append((works, (header, payload), what))
-    while len(st.pending) > 8:  # bound what in-flight sends keep alive
-        w, _, w_what = st.pending.pop(0)
-        D.wait(w, st.group, w_what, st.rank, st.timeout_s)
-
-
-def _recv(st: _Rank, peer: int, what: str) -> tuple:
-    dev = _device(st)
-    gpeer = D.global_rank(st.group, peer)
-    header = torch.empty(HEADER, dtype=torch.int64, device=dev)
-    D.wait(
-        dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, gpeer, st.group)]),
-        st.group,
-        what,
-        st.rank,
-        st.timeout_s,
-    )
-    h = header.tolist()
-    out: list = []
-    bufs, at = [], 1
-    for _ in range(h[0]):
-        code, ndim = h[at], h[at + 1]
-        if code < 0:
-            out.append(None)
-            at += 2
-            continue
-        shape = h[at + 2 : at + 2 + ndim]
-        at += 2 + ndim
-        dtype = _DTYPES[code]
-        buf = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=dev)
-        bufs.append(buf)
-        out.append(buf.view(torch.bool) if dtype == torch.bool else buf)
-    if bufs:
-        ops = [dist.P2POp(dist.irecv, b, gpeer, st.group) for b in bufs]
-        D.wait(dist.batch_isend_irecv(ops), st.group, what, st.rank, st.timeout_s)
-    return tuple(out)
-
-
-def _device(st: _Rank) -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(st.group) == "nccl"
-        else torch.device("cpu")
-    )
-
-
-# ----------------------------------------------------------------------------------------------
 # the run
 
 
@@ -381,19 +244,19 @@ def _run_w(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
 
 
 def _send_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    _send(st, st.outbox_f.pop((a.microbatch, a.chunk)), a.peer, str(a))
+    st.link.send(st.outbox_f.pop((a.microbatch, a.chunk)), a.peer, str(a))
 
 
 def _send_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    _send(st, st.outbox_b.pop((a.microbatch, a.chunk)), a.peer, str(a))
+    st.link.send(st.outbox_b.pop((a.microbatch, a.chunk)), a.peer, str(a))
 
 
 def _recv_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    st.inbox_f[(a.microbatch, a.chunk)] = _recv(st, a.peer, str(a))
+    st.inbox_f[(a.microbatch, a.chunk)] = st.link.recv(a.peer, str(a))
 
 
 def _recv_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    st.inbox_b[(a.microbatch, a.chunk)] = _recv(st, a.peer, str(a))
+    st.inbox_b[(a.microbatch, a.chunk)] = st.link.recv(a.peer, str(a))
 
 
 # one handler per action kind: the interpreter knows no schedule, only these
@@ -421,9 +284,8 @@ def rank_table(actions: Sequence[Action], rank: int, marked: int | None = None) 
 def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
     """Every rank's loss terms summed (each slot was written by one rank only, so the sum is exact),
     then each microbatch's loss and the step's, as the sequential runner forms them."""
-    terms = st.terms.matrix(st.s.microbatches, _device(st))
-    D.wait([dist.all_reduce(terms, group=st.group, async_op=True)], st.group, "the loss all-reduce", st.rank,
-           st.timeout_s)  # fmt: skip
+    terms = st.terms.matrix(st.s.microbatches, st.link.device())
+    st.link.wait([dist.all_reduce(terms, group=st.group, async_op=True)], "the loss all-reduce")
     losses = st.terms.losses_from(terms.cpu())
     return R.mean_loss(losses), losses
 
@@ -440,7 +302,7 @@ def _reduce_shared(st: _Rank, names: Sequence[str]) -> None:
                 pairs.setdefault((hs[0], o), []).append(n)
     if not pairs:
         return
-    dev, g = _device(st), st.grads
+    dev, g = st.link.device(), st.grads
 
     def flat(ns):
         return torch.cat([g[n].reshape(-1) for n in ns]).to(dev)
@@ -463,7 +325,7 @@ def _reduce_shared(st: _Rank, names: Sequence[str]) -> None:
                     sum(g[n].numel() for n in ns), dtype=g[ns[0]].dtype, device=dev
                 )
                 ops.append(dist.P2POp(dist.irecv, buf, D.global_rank(st.group, src), st.group))
-        D.wait(dist.batch_isend_irecv(ops), st.group, "the shared-gradient exchange", st.rank, st.timeout_s)
+        st.link.wait(dist.batch_isend_irecv(ops), "the shared-gradient exchange")
         return bufs
 
     for (root, o), buf in sorted(exchange(send_from_root=False).items()):  # roots: add in rank order
@@ -560,9 +422,7 @@ def run_schedule(
     try:
         R.run_steps(len(actions), run_row, hooks, lambda ns: R.take_grads(st.grads, None, params, ns))
         action, row = "the final waits", None
-        for works, _, what in st.pending:
-            D.wait(works, group, what, rank, timeout_s)
-        st.pending.clear()
+        st.link.wait_all()
         loss, losses = _finish_loss(st)
         grads = R.zero_missing(st.grads, params, names)
         st.grads = grads

@@ -12,8 +12,7 @@ import torch
 from conftest import random_batch, tiny_config
 from test_train import recipe_dict, run_cli, toml_text
 
-from fmoe import expert_parallel, hf
-from fmoe import interpreter as I
+from fmoe import expert_parallel, fb_order, hf
 from fmoe import recipe as R
 from fmoe.stages import qwen3_moe
 from fmoe.stages.family import BUILTIN_FAMILIES, lookup
@@ -180,7 +179,7 @@ def renamed(model):
 
 def test_the_fb_order_reads_each_stages_role_not_its_name():
     model = qwen3_moe.build(tiny_config(mlp_only_layers=(0,)))  # layer 0 dense, layer 1 MoE
-    assert [I.role(s) for s in renamed(model).stages] == [0, 1, 3, 5, 1, 2, 3, 4, 5, 0]
+    assert [fb_order.role(s) for s in renamed(model).stages] == [0, 1, 3, 5, 1, 2, 3, 4, 5, 0]
     assert [s.role for s in model.stages] == [
         "embed", "attn", "mlp", "aggregate", "attn", "dispatch", "mlp", "combine", "aggregate", "head",
     ]  # fmt: skip

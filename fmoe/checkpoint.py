@@ -31,10 +31,17 @@ renaming them to ``.tmp-drop-*`` first, so a crash while deleting one leaves no 
 ``step_*`` folder. Non-finite tensors are never written (every rank checks its pieces, all agree
 before anything is written).
 
+One writer: a run holds :func:`lock_folder` (an OS ``flock`` plus its host and pid in
+``fmoe.lock``) from before :func:`clean_temp` to its last save, so no process tidies or replaces
+what another one is writing. Asynchronous saves: :func:`begin_save` with ``background=True`` copies
+a rank's pieces to host memory and writes them on a thread; :meth:`PendingSave.finish` installs
+the folder as above (the same bytes as a synchronous save).
+
 Integrity: the manifest records each file's SHA-256 (each writer hashes its files from the bytes on
 disk after the write), and :func:`verify` checks them: a flipped bit or a truncated file is a
 :class:`CorruptCheckpointError` naming the file; :func:`newest_intact` picks the newest checkpoint
-that verifies. Nothing here knows the parallel layout: callers say which range of which canonical
+that verifies. A sharded folder without a manifest, and any file of JSON that does not parse
+(a RecursionError of deeply nested brackets included), is corrupt. Nothing here knows the parallel layout: callers say which range of which canonical
 tensor they hold (:class:`Shard`), so a run can resume on another layout.
 """
 

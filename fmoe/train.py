@@ -8,9 +8,17 @@
 Resuming is automatic: the newest intact checkpoint under ``checkpoint.dir`` restores params,
 optimizer state, step, data cursor and RNG, so N steps + resume + N steps equals 2N straight,
 bitwise, also after a SIGKILL at any point (checkpoint writes are atomic; what a killed writer left
-is tidied at start). Before any step: checkpoint.dir and log.dir must be writable, a corrupt newest
-checkpoint (checksums) falls back to the newest intact one with a warning, and a checkpoint whose
-tensor shapes differ from the recipe's model is refused with one line naming the tensor.
+is tidied at start). Before any step: checkpoint.dir and log.dir must be writable, rank 0 takes
+checkpoint.dir's lock (``checkpoint.lock_folder``: a second run on it is refused) before it tidies
+anything, a corrupt newest checkpoint (checksums, a missing manifest, a file that does not parse)
+falls back to the newest intact one with a warning, and a checkpoint whose tensor shapes differ from
+the recipe's model is refused with one line naming the tensor.
+
+Stopping and saving: SIGTERM, SIGINT and ``checkpoint.signal`` stop the run after the step in flight
+with a checkpoint (``fmoe.preemption``; the ranks agree on the step); saves are asynchronous by
+default (``checkpoint.begin_save``: staged to host memory, written on a thread, installed once every
+rank's write is done; the next save and the run's end wait for it). The process group a run made is
+destroyed however it ends. Throughput (tokens/s, MFU) leaves out the first step and the saves.
 
 Non-finite steps: a step whose loss or global gradient norm is NaN or infinite is skipped (no
 parameter or optimizer state changes, decided on the device) and counted (``skipped_steps`` in the

@@ -234,7 +234,7 @@ def validate(recipe: Recipe) -> None:
     if p.gather not in ("chunk", "step"):
         raise RecipeError(f"{where}: parallel.gather must be 'chunk' or 'step', got {p.gather!r}")
     sizes = model_family(recipe.model_family, where).sizes(recipe.model)
-    _validate_scale(sizes, where)
+    check_scale(sizes, where)
     if sizes.max_positions is not None and sizes.max_positions < recipe.data.seq_len:
         raise RecipeError(
             f"{where}: model.{sizes.max_positions_field} ({sizes.max_positions}) must be >= data.seq_len "
@@ -253,17 +253,17 @@ MAX_LAYERS = 10_000
 MAX_EXPERTS = 65_536
 
 
-def _validate_scale(sizes, where: str) -> None:
+def check_scale(sizes, where: str) -> None:
     """Layer and expert counts no run could hold, refused naming the family's count."""
     if sizes.num_layers > MAX_LAYERS:
         raise RecipeError(
             f"{where}: model: {sizes.num_layers:,} layers is more than any device could hold "
-            f"(at most {MAX_LAYERS:,}): check the [model] table's layer count"
+            f"(at most {MAX_LAYERS:,}): check the model's layer count"
         )
     if sizes.num_experts > MAX_EXPERTS:
         raise RecipeError(
             f"{where}: model: {sizes.num_experts:,} routed experts per layer is more than any device "
-            f"could hold (at most {MAX_EXPERTS:,}): check the [model] table's expert count"
+            f"could hold (at most {MAX_EXPERTS:,}): check the model's expert count"
         )
 
 

@@ -127,7 +127,10 @@ def test_asynchronous_and_synchronous_saves_write_the_same_bytes(server, dataset
     manifests = {}
     for mode in (True, False):
         root = tmp_path / str(mode)
-        rc, out = server.run(argv_for(dataset, root, **RUN, **{"checkpoint.asynchronous": mode}))
+        # asynchronous: the writer pauses between the two files of the save of step 8 while training goes
+        # on (its in-place optimizer steps must not reach the file written after the pause)
+        hooks = {"sleep": ["write", 3, 1.0]} if mode else {}
+        rc, out = server.run(argv_for(dataset, root, **RUN, **{"checkpoint.asynchronous": mode}), hooks)
         assert rc == 0, out
         found = checkpoint.list_checkpoints(root / "ckpt")
         assert [p.name for p in found] == ["step_00000008", "step_00000012"]
@@ -196,6 +199,24 @@ def test_absurd_layer_and_expert_counts_are_refused_naming_the_size(tmp_path):
     assert "1,000,000 layers" in lines[0] and "more than any device could hold" in lines[0], lines
     with pytest.raises(R.RecipeError, match=r"1,000,000 routed experts per layer"):
         R.load(recipe, {"model.num_experts": 1_000_000})
+
+
+@pytest.mark.parametrize("config", ["a million layers", "nested JSON"])
+def test_an_hf_folder_with_a_million_layers_or_nested_json_is_refused_in_one_line(tmp_path, capsys, config):
+    from conftest import tiny_config
+
+    from fmoe import cli
+    from fmoe.stages import qwen3_moe
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    text = json.dumps({**qwen3_moe.FAMILY.hf_config(tiny_config()), "num_hidden_layers": 1_000_000})
+    (folder / "config.json").write_text(text if config != "nested JSON" else "[" * 100_000 + "]" * 100_000)
+    (folder / "model.safetensors").write_bytes(b"")
+    assert cli.main(["checkpoint", "import-hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(folder / "config.json") in lines[0], lines
+    assert ("1,000,000 layers" if config != "nested JSON" else "RecursionError") in lines[0], lines
 
 
 def run_two(server, argv: list[str], hooks_by_rank: dict, teardown: bool = False) -> list:

@@ -13,7 +13,8 @@ the write, then the rename), and the seconds the write itself took (on the write
 asynchronous). Also the run's steady-state tokens/s (``TrainResult.tokens_per_second``: saves and the
 first step left out) and its tokens/s over the whole loop with the saves in.
 
-Disk: the state is 37 GB, so the scratch folder (--dir) needs that much free; each save first
+Disk: the state is 37 GB, so the scratch folder (--dir; default the temp folder, or /dev/shm when
+that has less than 40 GB free) needs that much free; each save first
 removes the older checkpoint (timed apart, not counted as stall), so one checkpoint is on disk at a
 time. The data is a byte-tokenized corpus of the Python standard library's docstrings, built first.
 """
@@ -129,14 +130,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="a tiny model on CPU: check the script runs")
     args = ap.parse_args(argv)
     base = SMOKE if args.smoke else H200
-    with tempfile.TemporaryDirectory(prefix="fmoe-bench-stall-", dir=args.dir) as scratch:
+    need = 8 << 20 if args.smoke else 40 << 30
+    where = args.dir or tempfile.gettempdir()
+    if args.dir is None and shutil.disk_usage(where).free < need and Path("/dev/shm").is_dir():
+        where = "/dev/shm"  # a small disk: the files go to memory (recorded as "scratch")
+    with tempfile.TemporaryDirectory(prefix="fmoe-bench-stall-", dir=where) as scratch:
         root = Path(scratch)
-        need = 8 << 20 if args.smoke else 40 << 30
         free = shutil.disk_usage(root).free
         if free < need:
             raise SystemExit(
                 f"{root}: {free / 2**30:.1f} GiB free, the checkpoint needs {need / 2**30:.0f}: pass --dir"
             )
+        print(f"scratch {root}: {free / 2**30:.0f} GiB free", file=sys.stderr, flush=True)
         base = {**base, "data.path": str(root / "data"), "data.tokenizer": "bytes", "data.build_from": "builtin",
                 "data.builtin_bytes": 2_000_000}  # fmt: skip
         runs = []
@@ -150,6 +155,7 @@ def main(argv=None) -> dict:
         + (" --smoke" if args.smoke else "")
         + f" --steps {args.steps} --every {args.every}",
         "recipe": str(RECIPE.name),
+        "scratch": where,
         "overrides": base,
         "runs": runs,
     }

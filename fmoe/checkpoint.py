@@ -31,16 +31,24 @@ renaming them to ``.tmp-drop-*`` first, so a crash while deleting one leaves no 
 ``step_*`` folder. Non-finite tensors are never written (every rank checks its pieces, all agree
 before anything is written).
 
+One writer: a run holds :func:`lock_folder` (an OS ``flock`` plus its host and pid in
+``fmoe.lock``) from before :func:`clean_temp` to its last save, so no process tidies or replaces
+what another one is writing. Asynchronous saves: :func:`begin_save` with ``background=True`` copies
+a rank's pieces to host memory and writes them on a thread; :meth:`PendingSave.finish` installs
+the folder as above (the same bytes as a synchronous save).
+
 Integrity: the manifest records each file's SHA-256 (each writer hashes its files from the bytes on
 disk after the write), and :func:`verify` checks them: a flipped bit or a truncated file is a
 :class:`CorruptCheckpointError` naming the file; :func:`newest_intact` picks the newest checkpoint
-that verifies. Nothing here knows the parallel layout: callers say which range of which canonical
+that verifies. A sharded folder without a manifest, and any file of JSON that does not parse
+(a RecursionError of deeply nested brackets included), is corrupt. Nothing here knows the parallel layout: callers say which range of which canonical
 tensor they hold (:class:`Shard`), so a run can resume on another layout.
 """
 
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import math
@@ -48,7 +56,10 @@ import os
 import random
 import re
 import shutil
+import socket
 import struct
+import threading
+import time
 import uuid
 import warnings
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -60,11 +71,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 MODEL, OPTIM, TRAINER = "model.safetensors", "optim.safetensors", "trainer.json"
 MANIFEST, INDEX = "manifest.json", "index.json"
+LOCK = "fmoe.lock"  # lock_folder: one writer per checkpoint folder
 MANIFEST_FORMAT = 1  # gathered: whole tensors in MODEL and OPTIM
 SHARDED_FORMAT = 2  # sharded: pieces in per-rank files, described by INDEX
 KINDS = ("model", "optim")
@@ -173,7 +184,31 @@ def save_sharded(
     Returns the checkpoint's path on every rank. Raises on every rank: ValueError naming the tensor
     when a piece holds a NaN or an infinity, or when the ranks' ranges do not tile a tensor exactly
     (nothing is written); CheckpointWriteError when a rank fails to write (the temp folder is
-    removed, the earlier checkpoints are left as they were).
+    removed, the earlier checkpoints are left as they were). ``begin_save`` + ``PendingSave.finish``.
+    """
+    return begin_save(dir, step, model, optim, trainer_state, keep).finish()
+
+
+def begin_save(
+    dir: str | os.PathLike,
+    step: int,
+    model: Mapping[str, Shard],
+    optim: Mapping[str, Shard],
+    trainer_state: Mapping[str, Any],
+    keep: int = 3,
+    *,
+    background: bool = False,
+    staging: dict[str, Tensor] | None = None,
+) -> PendingSave:
+    """The first half of :func:`save_sharded` (every rank calls it; the same errors, raised here):
+    the ranks agree on the pieces and the temp folder, then this rank's pieces are written.
+
+    background=False: written here, before it returns. background=True: the pieces are first
+    copied to host memory (pinned when they live on a GPU; ``staging`` {key: tensor}, when given,
+    keeps those buffers for the next save of the same shapes), then a thread writes and hashes the
+    files while the caller trains on: the caller may change the shards' values as soon as this
+    returns. Either way the checkpoint appears only at :meth:`PendingSave.finish`, which every rank
+    calls at the same point of its program (it exchanges the ranks' reports).
     """
     rank, _ = _rank_world()
     root = Path(dir)
@@ -183,11 +218,8 @@ def save_sharded(
     try:
         text = _trainer_text(step, keep, trainer_state) if rank == 0 else ""
         held = {"model": _held(model, "model"), "optim": _held(optim, "optim")}
-        bad = next(
-            (f"{kind} tensor {name!r}" for kind, shards in (("model", model), ("optim", optim))
-             for name, s in shards.items() if not _finite(s.data)),
-            None,
-        )  # fmt: skip
+        bad = _first_nonfinite({("model", n): s.data for n, s in model.items()}
+                               | {("optim", n): s.data for n, s in optim.items()})  # fmt: skip
     except ValueError as e:
         problem = f"rank {rank}: {e}"
     # rank 0 names the temp folder; it is created once every rank knows its pieces are finite
@@ -205,48 +237,146 @@ def save_sharded(
             f"checkpoint save: {failed[1]} (rank {failed[0]}'s piece) holds non-finite values; nothing was written"
         )
     index, owned = _plan([e["held"] for e in everyone], rank)
-
     # every rank writes the pieces it owns; rank 0 always writes its two files
-    digests, error = {}, None
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
-        for kind, shards in (("model", model), ("optim", optim)):
-            if owned[kind] or rank == 0:
-                name = rank_file(kind, rank)
-                tensors = _storage_disjoint({n: _piece_tensor(shards[n]) for n in owned[kind]})
-                _write_tensors(tmp / name, tensors, {"fmoe_step": str(step), "fmoe_content": kind})
-                digests[name] = _digest(tmp / name)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    reports = _all_gather_objects({"files": digests, "error": error})
-    raised: BaseException | None = None
-    if rank == 0:
-        old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+    files = {
+        rank_file(kind, rank): {n: shards[n] for n in owned[kind]}
+        for kind, shards in (("model", model), ("optim", optim))
+        if owned[kind] or rank == 0
+    }
+    pending = PendingSave(root, final, tmp, step, keep, index, text)
+    if not background:
         try:
-            failed = next(((r, e["error"]) for r, e in enumerate(reports) if e["error"] is not None), None)
-            if failed is not None:
-                raise OSError(f"rank {failed[0]}: {failed[1]}")
-            files = {name: d for e in reports for name, d in e["files"].items()}
-            _write_text(tmp / INDEX, json.dumps({"format": SHARDED_FORMAT, **index}, indent=1))
-            _write_text(tmp / TRAINER, text)
-            files.update({name: _digest(tmp / name) for name in (INDEX, TRAINER)})
-            _install(tmp, final, old, SHARDED_FORMAT, files)
+            pending._write(
+                {name: {n: _piece_tensor(s) for n, s in shards.items()} for name, shards in files.items()}
+            )
+        except BaseException:  # interrupted (a second stop signal): no temp folder stays
+            pending.abort()
+            raise
+        return pending
+    try:
+        staged = _stage(files, staging if staging is not None else {})
+    except BaseException:
+        pending.abort()
+        raise
+    pending.thread = threading.Thread(
+        target=pending._write, args=(staged,), name="fmoe-checkpoint", daemon=True
+    )
+    pending.thread.start()
+    return pending
+
+
+class PendingSave:
+    """A sharded checkpoint being written (:func:`begin_save`): this rank's files go into the temp
+    folder, on a thread or already done; :meth:`finish` installs the checkpoint, :meth:`abort`
+    drops it. A process killed meanwhile leaves the earlier checkpoints as they were and a
+    ``.tmp-*`` folder that :func:`clean_temp` removes."""
+
+    def __init__(self, root: Path, final: Path, tmp: Path, step: int, keep: int, index: dict, text: str):
+        self.root, self.final, self.tmp, self.step, self.keep = root, final, tmp, step, keep
+        self.index, self.text = index, text
+        self.thread: threading.Thread | None = None
+        self.cancel = threading.Event()
+        self.digests: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def _write(self, files: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Write and hash this rank's files (on the writer thread, or the caller's); the outcome
+        goes to ``digests`` / ``error``, never raised (``finish`` reports it on every rank)."""
+        try:
+            self.tmp.mkdir(parents=True, exist_ok=True)  # every rank: whichever comes first creates it
+            for name, tensors in files.items():
+                if self.cancel.is_set():
+                    raise CheckpointWriteError("cancelled")
+                kind = "model" if name.startswith("model") else "optim"
+                _write_tensors(self.tmp / name, _storage_disjoint(dict(tensors)),
+                               {"fmoe_step": str(self.step), "fmoe_content": kind})  # fmt: skip
+                self.digests[name] = _digest(self.tmp / name)
         except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+
+    def done(self) -> bool:
+        """This rank's files are written (or failed): ``finish`` will not wait for them."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for this rank's writer (``finish`` does too)."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def finish(self) -> Path:
+        """Wait for this rank's writer, exchange the ranks' reports; rank 0 writes the index, the
+        trainer state and the manifest, renames the folder into place and drops old checkpoints.
+        Every rank calls it; returns the path, or raises as :func:`save_sharded` does."""
+        self.wait()
+        rank, _ = _rank_world()
+        reports = _all_gather_objects({"files": self.digests, "error": self.error})
+        raised: BaseException | None = None
+        if rank == 0:
+            old = self.root / f".tmp-old-{self.final.name}-{uuid.uuid4().hex[:8]}"
             try:
-                _undo(tmp, final, old, e)
-            except CheckpointWriteError as written:
-                raised = written
-        if raised is None:
-            try:
-                _after_install(root, old, keep)
-            except Exception as e:  # the checkpoint is in place; the others must not wait for rank 0
-                raised = e
-    outcome = _all_gather_objects(None if raised is None else str(raised))[0]
-    if raised is not None:
-        raise raised
-    if outcome is not None:
-        raise CheckpointWriteError(f"rank 0 reports: {outcome}")
-    return final
+                failed = next(
+                    ((r, e["error"]) for r, e in enumerate(reports) if e["error"] is not None), None
+                )
+                if failed is not None:
+                    raise OSError(f"rank {failed[0]}: {failed[1]}")
+                files = {name: d for e in reports for name, d in e["files"].items()}
+                _write_text(self.tmp / INDEX, json.dumps({"format": SHARDED_FORMAT, **self.index}, indent=1))
+                _write_text(self.tmp / TRAINER, self.text)
+                files.update({name: _digest(self.tmp / name) for name in (INDEX, TRAINER)})
+                _install(self.tmp, self.final, old, SHARDED_FORMAT, files)
+            except BaseException as e:
+                try:
+                    _undo(self.tmp, self.final, old, e)
+                except CheckpointWriteError as written:
+                    raised = written
+                if not isinstance(e, Exception):
+                    raise
+            if raised is None:
+                try:
+                    _after_install(self.root, old, self.keep)
+                except Exception as e:  # the checkpoint is in place; the others must not wait for rank 0
+                    raised = e
+        outcome = _all_gather_objects(None if raised is None else str(raised))[0]
+        if raised is not None:
+            raise raised
+        if outcome is not None:
+            raise CheckpointWriteError(f"rank 0 reports: {outcome}")
+        return self.final
+
+    def abort(self) -> None:
+        """Stop this rank's writer (after the file it is writing) and remove the temp folder; no
+        collective (for a process about to exit)."""
+        self.cancel.set()
+        if self.thread is not None:
+            self.thread.join()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _stage(
+    files: Mapping[str, Mapping[str, Shard]], staging: dict[str, Tensor]
+) -> dict[str, dict[str, Tensor]]:
+    """Host copies of the pieces to write ({file: {name: tensor}}), in buffers of ``staging`` (by
+    file and name; made on first use, pinned when the piece is on a GPU): one copy per piece, then
+    one wait for the device (no other host sync)."""
+    out: dict[str, dict[str, Tensor]] = {}
+    on_gpu = False
+    for file, shards in files.items():
+        out[file] = {}
+        for name, s in shards.items():
+            data = s.data.detach()
+            whole = s.start == 0 and data.numel() == math.prod(s.shape)
+            shape = tuple(s.shape) if whole else (data.numel(),)
+            key = f"{file}/{name}"
+            buf = staging.get(key)
+            if buf is None or buf.shape != shape or buf.dtype != data.dtype:
+                buf = torch.empty(shape, dtype=data.dtype, pin_memory=data.is_cuda)
+                staging[key] = buf
+            buf.view(-1).copy_(data.reshape(-1), non_blocking=data.is_cuda)
+            on_gpu |= data.is_cuda
+            out[file][name] = buf
+    if on_gpu:
+        torch.cuda.synchronize()
+    return out
 
 
 def clean_temp(dir: str | os.PathLike) -> list[str]:
@@ -273,6 +403,114 @@ def clean_temp(dir: str | os.PathLike) -> list[str]:
     return done
 
 
+class CheckpointInUseError(CheckpointError):
+    """Another live process holds a checkpoint folder's lock (:func:`lock_folder`); the message
+    names its host and pid."""
+
+
+class FolderLock:
+    """A held :func:`lock_folder` lock: ``release()`` (or leaving a ``with`` block) frees it;
+    ``taken_over``: the record of an earlier owner that ended without releasing it, else None."""
+
+    def __init__(self, fd: int, path: Path, taken_over: str | None):
+        self.fd, self.path, self.taken_over = fd, path, taken_over
+
+    def release(self) -> None:
+        """Remove the lock file (still holding the lock: a process that opened it meanwhile sees
+        it gone once it gets the lock, and starts over), then free the lock."""
+        if self.fd < 0:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # a cleanly ended run leaves nothing behind
+        finally:
+            os.close(self.fd)  # closing the descriptor frees the flock
+            self.fd = -1
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_folder(dir: str | os.PathLike) -> FolderLock:
+    """Make this process the one writer of checkpoint folder ``dir``: an exclusive ``flock`` on
+    ``<dir>/fmoe.lock`` (the kernel frees it when the process ends, however it ends), and the
+    owner's host, pid and start time written into the file, for messages.
+
+    CheckpointInUseError naming the owner when another process holds it. On a filesystem without
+    flock the record decides: an owner on this host whose pid is alive holds the folder; an owner
+    on another host cannot be checked and is taken over (``taken_over`` says so). Call it before
+    any tidy-up or write of ``dir`` and keep it until the run's last save."""
+    root = Path(dir)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        held = _lock_file(fd, root)
+        try:  # locked the file that is still at the path? (a releasing owner removes it first)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return held
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _lock_file(fd: int, root: Path) -> FolderLock:
+    """lock_folder's flock and owner record on an open lock file (closed on an error)."""
+    path = root / LOCK
+    try:
+        record = _lock_record(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointInUseError(
+                f"checkpoint.dir {str(root)!r} is in use by another run ({_owner_text(record)}); "
+                f"wait for it to end or give this run another checkpoint.dir"
+            ) from None
+        except OSError:  # no flock on this filesystem: the record decides
+            if record.get("host") == socket.gethostname() and _alive(record.get("pid")):
+                raise CheckpointInUseError(
+                    f"checkpoint.dir {str(root)!r} is in use by another run ({_owner_text(record)})"
+                ) from None
+        record = _lock_record(fd)  # read again under the lock: what an ended owner left
+        taken_over = _owner_text(record) if record else None
+        mine = {"host": socket.gethostname(), "pid": os.getpid(),
+                "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return FolderLock(fd, path, taken_over)
+
+
+def _lock_record(fd: int) -> dict:
+    """The owner record of a lock file ({} when empty or unreadable: it is only for messages)."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except Exception:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _owner_text(record: Mapping) -> str:
+    return f"pid {record.get('pid', '?')} on host {record.get('host', '?')}, since {record.get('since', '?')}"
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def list_checkpoints(dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoint folders under ``dir``, oldest step first; temp folders are ignored."""
     root = Path(dir)
@@ -297,15 +535,18 @@ def verify(path: str | os.PathLike, files: Collection[str] | None = None) -> boo
 
     files: the file names to check (default: every file the manifest lists; ``manifest_files``
     gives them, so several processes may each check a share). Returns True when verified, False
-    for a folder without a manifest (written before checksums existed: nothing to verify against).
-    FileNotFoundError naming a missing file; CorruptCheckpointError naming the first file that
-    differs (or a corrupt manifest).
+    for a gathered folder without a manifest (written before checksums existed: nothing to verify
+    against). FileNotFoundError naming a missing file; CorruptCheckpointError naming the first file
+    that differs, a corrupt manifest, or a sharded folder without one (every sharded checkpoint is
+    written with its manifest last: a folder that lacks it was not written whole by fmoe).
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint {folder} does not exist")
     expected = _manifest(folder)
     if expected is None:
+        if (folder / INDEX).exists():
+            raise CorruptCheckpointError(f"{folder / MANIFEST}: missing (a sharded checkpoint has one)")
         return False
     for name in expected if files is None else files:
         file = folder / name
@@ -350,7 +591,7 @@ def _manifest(folder: Path) -> dict[str, tuple[int, str]] | None:
         }
         if any("/" in name or name.startswith(".") for name in expected):
             raise ValueError("a file name outside the folder")
-    except (ValueError, KeyError, TypeError, OSError) as e:
+    except Exception as e:  # any parse error (a RecursionError of nested JSON too) is corruption
         raise CorruptCheckpointError(f"{manifest_file}: corrupt manifest ({type(e).__name__}: {e})") from e
     return expected
 
@@ -493,8 +734,19 @@ def _held(shards: Mapping[str, Shard], what: str) -> dict[str, tuple[int, int, l
     return out
 
 
-def _finite(t: Tensor) -> bool:
-    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+def _first_nonfinite(tensors: Mapping[tuple[str, str], Tensor]) -> str | None:
+    """'<kind> tensor <name>' of the first floating tensor holding a NaN or an infinity, else None;
+    one host sync per device for all of them."""
+    keys = [k for k, t in tensors.items() if t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list[tuple[str, str]]] = {}
+    for k in keys:
+        by_device.setdefault(tensors[k].device, []).append(k)
+    bad = set()
+    for group in by_device.values():
+        flags = torch.stack([~torch.isfinite(tensors[k]).all() for k in group]).tolist()
+        bad |= {k for k, flag in zip(group, flags) if flag}
+    first = next((k for k in keys if k in bad), None)
+    return None if first is None else f"{first[0]} tensor {first[1]!r}"
 
 
 def _plan(held_by_rank: Sequence[Mapping[str, Mapping[str, tuple]]], rank: int) -> tuple[dict, dict]:
@@ -668,8 +920,8 @@ class Checkpoint:
             raise FileNotFoundError(f"{file}: missing")
         try:
             trainer = json.loads(file.read_text(encoding="utf-8"))
-        except (ValueError, OSError) as e:
-            raise CorruptCheckpointError(f"{file}: corrupt JSON ({e})") from e
+        except Exception as e:  # any parse error (a RecursionError of nested JSON too) is corruption
+            raise CorruptCheckpointError(f"{file}: corrupt JSON ({type(e).__name__}: {e})") from e
         if not isinstance(trainer, dict) or not isinstance(trainer.get("step"), int):
             raise CorruptCheckpointError(f"{file}: expected a JSON object with an int 'step'")
         return trainer
@@ -790,7 +1042,7 @@ def open_checkpoint(path: str | os.PathLike, check_integrity: bool = True) -> Ch
             }
             for kind in KINDS
         }
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+    except Exception as e:  # any parse error (a RecursionError of nested JSON too) is corruption
         raise CorruptCheckpointError(f"{index_file}: corrupt index ({type(e).__name__}: {e})") from e
     for kind in KINDS:
         for name, entry in entries[kind].items():
@@ -964,10 +1216,13 @@ def _drop(folder: Path) -> None:
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write one safetensors file and fsync it (tests replace this to simulate a crash)."""
-    save_file(tensors, str(path), metadata=metadata)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    """Write one safetensors file and fsync it (tests replace this to simulate a crash). Streamed
+    tensor by tensor (:class:`StreamedSafetensors`): no second copy of the bytes, and the writes
+    release the GIL, so a background writer does not hold up the training thread."""
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    with StreamedSafetensors(path, specs, metadata) as writer:
+        for name, t in tensors.items():
+            writer.write(name, t)
 
 
 def _saveable(tensors: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from fmoe import checkpoint
 from fmoe.recipe import RecipeError
 
 
@@ -38,14 +39,26 @@ def default_recipe() -> Path:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from fmoe import recipe as R
+    from fmoe.preemption import Aborted
     from fmoe.train import train
 
     overrides = dict(R.parse_override(s) for s in args.set)
-    result = train(R.load(args.recipe or default_recipe(), overrides))
-    if result.losses:
+    recipe = R.load(args.recipe or default_recipe(), overrides)
+    try:
+        result = train(recipe)
+    except Aborted as e:
+        newest = checkpoint.latest(recipe.checkpoint.dir)
+        print(f"fmoe: {e}; the newest checkpoint is {newest}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    if result.stopped_by is not None:
+        print(f"stopped by {result.stopped_by} after step {result.step}: checkpoint {result.checkpoint} "
+              f"(the same command resumes from it)")  # fmt: skip
+    elif result.losses:
+        mfu = "" if result.mfu is None else f", MFU {100 * result.mfu:.1f}%"
         print(
             f"trained to step {result.step}: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
-            f"{result.tokens_per_second:,.0f} tokens/s, {result.wall_seconds:.1f} s; checkpoint {result.checkpoint}"
+            f"{result.tokens_per_second:,.0f} tokens/s{mfu} (steady state: without the first step and "
+            f"{result.save_seconds:.1f} s of saving), {result.wall_seconds:.1f} s; checkpoint {result.checkpoint}"
         )
     else:
         print(f"nothing to do: the latest checkpoint is already at step {result.step}")

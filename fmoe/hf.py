@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from fmoe.checkpoint import LazyTensors, StreamedSafetensors
+from fmoe.recipe import check_scale
 from fmoe.stages.family import BUILTIN_FAMILIES, Family
 from fmoe.stages.family import lookup as family
 
@@ -314,8 +315,8 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
         raise FileNotFoundError(f"{config_path}: no config.json in the Hugging Face folder")
     try:
         hf = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise HFError(f"{config_path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # a RecursionError: brackets nested too deep
+        raise HFError(f"{config_path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(hf, dict):
         raise HFError(f"{config_path}: not a JSON object")
     model_type = hf.get("model_type")
@@ -343,6 +344,7 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
         cfg = fam.config_from_hf(hf)
     except ValueError as e:
         raise HFError(f"{config_path}: {e}") from None
+    check_scale(fam.sizes(cfg), str(config_path))  # before anything walks the layers
     tensors: dict[str, Tensor] = {}
     for f in files:
         try:

@@ -517,7 +517,7 @@ def gathered_working_set_bytes(
     uncast = model.buffers
 
     def size_of(d) -> int:
-        return torch.empty((), dtype=d).element_size()
+        return d.itemsize
 
     def param_bytes(n: str) -> int:
         want = master_dtype if dtype is None or n in uncast else dtype
@@ -555,35 +555,49 @@ def gathered_working_set_bytes(
         return max(params + grads, grads + copies + one + sum(shard_bytes(n) for n in infos))
     schedule = schedule if mesh.pp > 1 else None
     uses, w_uses, keep = _unit_uses(model, num_microbatches, schedule, mesh.coords["pp"])
-    uses = [u & set(infos) for u in uses]
-    w_uses = [u & set(infos) for u in w_uses]
-    plan = gather_plan(uses, w_uses, regather=schedule is None, keep=keep & set(infos))
+    known = set(infos)  # once, not per step: the plan stays linear in the layer count
+    uses = [u & known for u in uses]
+    w_uses = [u & known for u in w_uses]
+    plan = gather_plan(uses, w_uses, regather=schedule is None, keep=keep & known)
     resident: set[str] = set()
     grads: set[str] = set()
     # pp = 1 merges the expert weight GEMMs of all microbatches into one, run when the gradient is
     # taken (``runner.execute``): until then an expert gradient is its GEMM's activations only
     merged = {n for n in infos if is_expert_param(n)} if schedule is None else set()
-    state = {"in_flight": 0, "done": 0, "peak": 0}  # the reduction in flight; gradient shards made
+    # the bytes of resident and grads are kept as running sums (summing the sets at every
+    # measurement would make the plan quadratic in the layer count)
+    state = {"in_flight": 0, "done": 0, "peak": 0, "held": 0}  # + the reduction in flight; shards made
+
+    def add(names, into: set[str], size) -> None:
+        for n in set(names) - into:
+            into.add(n)
+            state["held"] += size(n)
+
+    def drop(names, out_of: set[str], size) -> None:
+        for n in set(names) & out_of:
+            out_of.discard(n)
+            state["held"] -= size(n)
 
     def measure(extra: int = 0) -> None:
-        held = sum(param_bytes(n) for n in resident) + sum(grad_bytes(n) for n in grads)
-        state["peak"] = max(state["peak"], held + state["in_flight"] + state["done"] + extra)
+        state["peak"] = max(state["peak"], state["held"] + state["in_flight"] + state["done"] + extra)
 
     def take(names: Sequence[str]) -> None:
         state["in_flight"] = 0  # the previous reduction completes first
         for n in names:  # one gradient at a time: its accumulator and its buffer, then the buffer
             measure(reduce_bytes(n))
-            grads.discard(n)
+            drop((n,), grads, grad_bytes)
             state["in_flight"] += buffer_bytes(n)
             state["done"] += shard_bytes(n)
         measure()
 
     for k in range(plan.num_steps):
-        resident |= set(plan.fetch_at.get(k, ()))
-        grads |= set(w_uses[k]) - merged
+        add(plan.fetch_at.get(k, ()), resident, param_bytes)
+        add(set(w_uses[k]) - merged, grads, grad_bytes)
         measure()
-        resident -= set(plan.free_at.get(k, ()))  # freed before the gradients are taken
-        grads |= set(plan.take_at.get(k, ())) & merged  # the merged expert GEMMs run at the take
+        drop(plan.free_at.get(k, ()), resident, param_bytes)  # freed before the gradients are taken
+        add(
+            set(plan.take_at.get(k, ())) & merged, grads, grad_bytes
+        )  # the merged expert GEMMs run at the take
         take(plan.take_at.get(k, ()))
     take(sorted(grads))  # those summed over the pipeline first, at the step's end
     return state["peak"]

@@ -473,7 +473,8 @@ def plan_layout(
             acts, acts_and_grads = pipeline_walk(table, r, chunks)
         else:
             every = range(len(model.stages))
-            moe_layers = sum(1 for u in pipeline.layer_units(model)[1] if set(u) & _moe_stages(model))
+            moe_stages = _moe_stages(model)  # once: asked per layer it made the plan quadratic
+            moe_layers = sum(1 for u in pipeline.layer_units(model)[1] if set(u) & moe_stages)
             acts, acts_and_grads = local_step_peaks(
                 chunk_activation_bytes(fam, cfg, model, every, mb),
                 backward_transient_bytes(fam, cfg, model, every, mb),

@@ -92,6 +92,12 @@ class CheckpointConfig:
     every: int = 50
     keep: int = 2
     resume: bool = True
+    # stage the state in host memory and write it on a thread while training goes on (False: the
+    # step waits for the whole write); the next save, and the run's end, wait for a pending write
+    asynchronous: bool = True
+    # besides SIGTERM and SIGINT, this signal also stops the run after the step in flight with a
+    # checkpoint (SLURM's ``--signal=USR1@90`` sends it ahead of the time limit); "" for none
+    signal: str = "SIGUSR1"
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,7 @@ def validate(recipe: Recipe) -> None:
     if t.cuda_graphs and t.device == "cpu":
         raise RecipeError(f"{where}: train.cuda_graphs needs a CUDA device; train.device is 'cpu'")
     _validate_optim(recipe, where)
+    _validate_signal(recipe.checkpoint.signal, where)
     if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
         raise RecipeError(
             f"{where}: parallel.timeout_s must be a finite number of seconds > 0, got {p.timeout_s}"
@@ -227,12 +234,48 @@ def validate(recipe: Recipe) -> None:
     if p.gather not in ("chunk", "step"):
         raise RecipeError(f"{where}: parallel.gather must be 'chunk' or 'step', got {p.gather!r}")
     sizes = model_family(recipe.model_family, where).sizes(recipe.model)
+    check_scale(sizes, where)
     if sizes.max_positions is not None and sizes.max_positions < recipe.data.seq_len:
         raise RecipeError(
             f"{where}: model.{sizes.max_positions_field} ({sizes.max_positions}) must be >= data.seq_len "
             f"({recipe.data.seq_len})"
         )
     _validate_schedule(recipe, where)
+
+
+# Sizes refused before anything walks the layers or experts (a typo's extra zeros is refused in
+# well under a second, not planned for minutes): 100x the deepest MoE models trained today (~60-100
+# layers) and 64x the most routed experts per layer (256 to 1,024). At these counts no device holds
+# even its own part: one layer's fp32 master, gradient and AdamW moments are >= 16 bytes per weight
+# and a layer of the smallest width that trains (hidden 1,024) has >= 8M weights, so 10,000 such
+# layers are >= 1.3 TB of state before a single activation.
+MAX_LAYERS = 10_000
+MAX_EXPERTS = 65_536
+
+
+def check_scale(sizes, where: str) -> None:
+    """Layer and expert counts no run could hold, refused naming the family's count."""
+    if sizes.num_layers > MAX_LAYERS:
+        raise RecipeError(
+            f"{where}: model: {sizes.num_layers:,} layers is more than any device could hold "
+            f"(at most {MAX_LAYERS:,}): check the model's layer count"
+        )
+    if sizes.num_experts > MAX_EXPERTS:
+        raise RecipeError(
+            f"{where}: model: {sizes.num_experts:,} routed experts per layer is more than any device "
+            f"could hold (at most {MAX_EXPERTS:,}): check the model's expert count"
+        )
+
+
+def _validate_signal(name: str, where: str) -> None:
+    """checkpoint.signal: "" or a signal name a handler can catch."""
+    import signal
+
+    catchable = sorted(s.name for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP))
+    if name and name not in catchable:
+        raise RecipeError(
+            f"{where}: checkpoint.signal must be '' or a catchable signal name such as 'SIGUSR1', got {name!r}"
+        )
 
 
 def _validate_optim(recipe: Recipe, where: str) -> None:

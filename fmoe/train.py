@@ -8,9 +8,17 @@
 Resuming is automatic: the newest intact checkpoint under ``checkpoint.dir`` restores params,
 optimizer state, step, data cursor and RNG, so N steps + resume + N steps equals 2N straight,
 bitwise, also after a SIGKILL at any point (checkpoint writes are atomic; what a killed writer left
-is tidied at start). Before any step: checkpoint.dir and log.dir must be writable, a corrupt newest
-checkpoint (checksums) falls back to the newest intact one with a warning, and a checkpoint whose
-tensor shapes differ from the recipe's model is refused with one line naming the tensor.
+is tidied at start). Before any step: checkpoint.dir and log.dir must be writable, rank 0 takes
+checkpoint.dir's lock (``checkpoint.lock_folder``: a second run on it is refused) before it tidies
+anything, a corrupt newest checkpoint (checksums, a missing manifest, a file that does not parse)
+falls back to the newest intact one with a warning, and a checkpoint whose tensor shapes differ from
+the recipe's model is refused with one line naming the tensor.
+
+Stopping and saving: SIGTERM, SIGINT and ``checkpoint.signal`` stop the run after the step in flight
+with a checkpoint (``fmoe.preemption``; the ranks agree on the step); saves are asynchronous by
+default (``checkpoint.begin_save``: staged to host memory, written on a thread, installed once every
+rank's write is done; the next save and the run's end wait for it). The process group a run made is
+destroyed however it ends. Throughput (tokens/s, MFU) leaves out the first step and the saves.
 
 Non-finite steps: a step whose loss or global gradient norm is NaN or infinite is skipped (no
 parameter or optimizer state changes, decided on the device) and counted (``skipped_steps`` in the
@@ -21,6 +29,7 @@ refuses one too), and a transient bad batch does not end a run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -42,6 +51,7 @@ from fmoe.check import check_family
 from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
+from fmoe.preemption import StopSignals
 from fmoe.recipe import Recipe, RecipeError
 from fmoe.schedules.generators import generate
 from fmoe.schedules.table import read_csv
@@ -64,10 +74,14 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     params: dict[str, Tensor] = field(default_factory=dict)
     step: int = 0
-    tokens_per_second: float = 0.0  # this run's mean: its tokens / the time from its first step to its last
+    # steady state: this run's tokens over its time, without its first step and the time saving held it up
+    tokens_per_second: float = 0.0
     wall_seconds: float = 0.0
     checkpoint: str | None = None
     skipped_steps: int = 0
+    stopped_by: str | None = None  # the signal that stopped the run early (a checkpoint was saved)
+    mfu: float | None = None  # model FLOPs utilisation of tokens_per_second (on a known GPU)
+    save_seconds: float = 0.0  # how long saving checkpoints held the training loop up
 
 
 def pick_device(name: str) -> torch.device:
@@ -237,13 +251,17 @@ def _check_writable(folder: str, field_name: str, where: str) -> None:
         ) from None
 
 
-def _resume_candidates(recipe: Recipe) -> list[Path]:
-    """Rank 0, before any compute: check the output folders, tidy what a killed run left, and list
+def _resume_candidates(recipe: Recipe, stack: contextlib.ExitStack) -> list[Path]:
+    """Rank 0, before any compute: check the output folders, take the checkpoint folder's lock
+    (held until ``stack`` closes: one run writes a folder), tidy what a killed run left, and list
     the checkpoints to resume from, newest first ([] when checkpoint.resume is off)."""
     where = recipe.path or "recipe"
     _check_writable(recipe.checkpoint.dir, "checkpoint.dir", where)
     _check_writable(recipe.log.dir, "log.dir", where)
     ckpt_dir = Path(recipe.checkpoint.dir)
+    lock = stack.enter_context(checkpoint.lock_folder(ckpt_dir))
+    if lock.taken_over is not None:
+        _warn(f"{lock.path}: the run that held it ({lock.taken_over}) has ended; this run takes it over")
     for line in checkpoint.clean_temp(ckpt_dir):
         _warn(f"an interrupted run's leftovers: {line}")
     if not recipe.checkpoint.resume:
@@ -256,19 +274,21 @@ def _verify_share(path: Path, rank: int, world: int) -> str | None:
     rank's own): None when they verify, else the reason."""
     try:
         checkpoint.verify(path, checkpoint.manifest_files(path)[rank::world])
+        # the small files parse too (their bytes may match a manifest that was written so)
+        checkpoint.open_checkpoint(path, check_integrity=False).trainer_state()
     except (checkpoint.CorruptCheckpointError, FileNotFoundError) as e:
         return str(e)
     return None
 
 
-def _agree_on_resume_point(recipe: Recipe, mesh) -> Path | None:
+def _agree_on_resume_point(recipe: Recipe, mesh, stack: contextlib.ExitStack) -> Path | None:
     """The newest checkpoint whose checksums verify, the same on every rank (a warning names a
     corrupt newer one). Rank 0 prepares the folders and lists the candidates; every rank hashes a
     share of each candidate's files, so no one process reads the whole checkpoint."""
     candidates, error = [], None
     if mesh.rank == 0:
         try:
-            candidates = _resume_candidates(recipe)
+            candidates = _resume_candidates(recipe, stack)
         except (ValueError, OSError) as e:
             error = e
     if mesh.world > 1:
@@ -510,16 +530,39 @@ def train(
     """
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cpu_threads(recipe, pick_device(recipe.train.device)))
+    owns_group = not dist.is_initialized()  # the group a torchrun run makes here is ended here
+    ended = False
     try:
-        return _train(recipe, stop_after, on_step)
+        with contextlib.ExitStack() as stack:  # the checkpoint folder's lock, the signal handlers
+            result = _train(recipe, stop_after, on_step, stack)
+        ended = True
+        return result
     finally:
         torch.set_num_threads(threads_before)
+        if owns_group and dist.is_initialized():
+            _end_group(ended)
+
+
+def _end_group(ended: bool) -> None:
+    """Destroy the process group this run made (a live group at interpreter exit aborts the process:
+    "terminate called without an active exception"). After a failure the ranks may no longer talk
+    (a peer gone, a transfer stuck on a thread): then only this rank's side is torn down, no barrier."""
+    try:
+        if ended:
+            dist.barrier()  # no rank closes its sockets while a peer still reads from them
+        dist.destroy_process_group()
+    except Exception as e:  # the group is already broken: the process exits anyway
+        _warn(f"the process group did not end cleanly ({type(e).__name__}: {e})")
 
 
 def _train(
-    recipe: Recipe, stop_after: int | None, on_step: Callable[[int, float], None] | None
+    recipe: Recipe,
+    stop_after: int | None,
+    on_step: Callable[[int, float], None] | None,
+    stack: contextlib.ExitStack,
 ) -> TrainResult:
-    """train's body, run under the recipe's CPU thread count."""
+    """train's body, run under the recipe's CPU thread count; ``stack`` holds what is released when
+    it returns or raises (the checkpoint folder's lock, the stop-signal handlers)."""
     t0 = time.perf_counter()
     fam = family_module(recipe.model_family)
     cfg = recipe.model
@@ -532,7 +575,7 @@ def _train(
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[recipe.train.dtype]
     torch.manual_seed(recipe.train.seed)
-    resume_from = _agree_on_resume_point(recipe, mesh)
+    resume_from = _agree_on_resume_point(recipe, mesh, stack)
 
     if lead:
         ensure_dataset(recipe)
@@ -586,8 +629,7 @@ def _train(
     progress = _progress(recipe if lead else None, step, last_steps)
     pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss, skipped) as device tensors
     last_skipped = False
-    window_t, window_steps = time.perf_counter(), 0
-    run_t, run_first_step = window_t, step  # the run's mean throughput: all of its steps over its time
+    clock = _Clock(device)  # this run's time, apart from saving and its first (warm-up) step
 
     def train_step(shards, state, batch, seed: int):
         """One step and its update: (shards, state, loss, skipped), the last two device tensors."""
@@ -601,20 +643,25 @@ def _train(
         return shards, state, loss, skipped
 
     graphed = _graphed_step(recipe, mesh, device, train_step)
+    c = recipe.checkpoint
+    stops = stack.enter_context(StopSignals(["SIGTERM", "SIGINT", *([c.signal] if c.signal else [])]))
+    writing: checkpoint.PendingSave | None = None  # a save whose files are still being written
+    staging: dict[str, Tensor] = {}  # host buffers of asynchronous saves, reused save after save
 
-    def save(at: int) -> str:
-        """Every rank writes its own shards (``checkpoint.save_sharded``): nothing is gathered."""
+    def begin_save(at: int, background: bool) -> checkpoint.PendingSave:
+        """Every rank writes its own shards (``checkpoint.begin_save``): nothing is gathered."""
         trainer_state = {"step": at, "data_cursor": cursor, "rng": checkpoint.capture_rng(),
                          "skipped_steps": skipped_total, "nonfinite_streak": streak}  # fmt: skip
-        path = checkpoint.save_sharded(
-            ckpt_dir,
-            at,
-            _checkpoint_shards(shards, infos, mesh, shapes),
-            _opt_canonical(state, infos, mesh, shapes),
-            trainer_state,
-            keep=recipe.checkpoint.keep,
-        )
-        return str(path)
+        return checkpoint.begin_save(
+            ckpt_dir, at, _checkpoint_shards(shards, infos, mesh, shapes),
+            _opt_canonical(state, infos, mesh, shapes), trainer_state, keep=c.keep,
+            background=background, staging=staging,
+        )  # fmt: skip
+
+    def finish(save: checkpoint.PendingSave) -> str:
+        save.wait()  # a second signal may cut the wait short; not the rename and rotation below
+        with stops.deferred():
+            return str(save.finish())
 
     try:
         while step < last_steps:
@@ -626,10 +673,22 @@ def _train(
             else:
                 shards, state, loss, skipped = train_step(shards, state, batch, recipe.train.seed + step)
             step += 1
-            window_steps += 1
+            clock.stepped()
             pending.append((step, loss, skipped))
-            log_now = step % recipe.log.every == 0 or step == last_steps
-            if log_now or step % recipe.checkpoint.every == 0:
+            at_interval = step % recipe.log.every == 0 or step % c.every == 0 or step == last_steps
+            # the ranks agree on a stop request (and on their background writes being done) here:
+            # one process every step; several at each log or checkpoint step, where the loop syncs
+            # with the device anyway (every step on CPU, where agreeing costs no device sync)
+            stop, written = False, False
+            if mesh.world == 1 or at_interval or device.type == "cpu":
+                stop, written = _agree(stops.requested is not None, writing, mesh, device)
+            if written and writing is not None:
+                with clock.saving():
+                    result.checkpoint = finish(writing)
+                writing = None
+            last = step == last_steps or stop
+            log_now = step % recipe.log.every == 0 or last
+            if log_now or step % c.every == 0 or last:
                 # one host sync per log interval or checkpoint: losses and skip flags together
                 values = torch.stack([v.float() for _, v, _ in pending] + [k.float() for *_, k in pending])
                 values = values.tolist()
@@ -651,34 +710,122 @@ def _train(
                 pending.clear()
                 result.skipped_steps = skipped_total
             if log_now:
-                elapsed = time.perf_counter() - window_t
-                tps = window_steps * tokens_per_step / max(elapsed, 1e-9)
+                steps_done, seconds, saving = clock.window()
+                tps = steps_done * tokens_per_step / max(seconds, 1e-9)
                 record = {
                     "step": step,
                     "loss": losses[-1],
                     "lr": lr_schedule(max(int(state["step"]) - 1, 0)),  # the last applied step's
                     "grad_norm": None if last_skipped else float(state["grad_norm"]),
                     "skipped_steps": skipped_total,
-                    "tokens_per_s": tps,
+                    "tokens_per_s": tps,  # steady state: saving and the run's first step left out
+                    "save_s": saving,  # what saving checkpoints held the loop up since the last line
                 }
                 if peak:
-                    record["mfu"] = flops_per_step * window_steps / max(elapsed, 1e-9) / (peak * 1e12)
+                    record["mfu"] = flops_per_step * steps_done / max(seconds, 1e-9) / (peak * 1e12)
                 if log is not None:
                     log.write(record)
                 progress.update(step, losses[-1], tps, record.get("mfu"))
-                window_t, window_steps = time.perf_counter(), 0
-            if step % recipe.checkpoint.every == 0 or step == last_steps:
-                result.checkpoint = save(step)
+            if step % c.every == 0 or last:
+                with clock.saving():
+                    if writing is not None:  # the next save waits for the pending one
+                        result.checkpoint = finish(writing)
+                        writing = None
+                    if last:
+                        result.checkpoint = finish(begin_save(step, background=False))
+                    else:
+                        writing = begin_save(step, background=c.asynchronous)
+            if stop:
+                result.stopped_by = stops.requested or "a stop signal to another rank"
+                break
+    except BaseException:
+        if writing is not None:  # an error or a second signal: the unfinished save is dropped
+            writing.abort()
+        raise
     finally:
         progress.close()
         if log is not None:
             log.close()
-    run_seconds = time.perf_counter() - run_t
-    result.tokens_per_second = (step - run_first_step) * tokens_per_step / max(run_seconds, 1e-9)
+    steps_done, seconds = clock.steady()
+    result.tokens_per_second = steps_done * tokens_per_step / max(seconds, 1e-9)
+    if peak:
+        result.mfu = flops_per_step * steps_done / max(seconds, 1e-9) / (peak * 1e12)
+    result.save_seconds = clock.saved_total
     result.params = parallel.canonical(shards, infos, mesh, names) or {}
     result.step = step
     result.wall_seconds = time.perf_counter() - t0
     return result
+
+
+def _agree(
+    requested: bool, writing: checkpoint.PendingSave | None, mesh, device: torch.device
+) -> tuple[bool, bool]:
+    """(stop, written): whether any rank was asked to stop, and whether every rank's background
+    checkpoint write is done (False when none is pending). One all-reduce on several processes."""
+    busy = writing is not None and not writing.done()
+    if mesh.world == 1:
+        return requested, writing is not None and not busy
+    flags = torch.tensor([float(requested), float(busy)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    stop, any_busy = flags.tolist()
+    return stop > 0, writing is not None and any_busy == 0
+
+
+class _Clock:
+    """This run's time for its throughput: steps and seconds apart from the time saving held the
+    loop up and apart from the run's first step (compilation, CUDA graph capture, allocator warm-up;
+    the data was built before the loop). On CUDA the first step is waited for once, so its time is
+    its own; the other boundaries fall at the loop's host syncs (a log line, a save)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.steps = 0
+        self.start = time.perf_counter()
+        self.first_step_s = 0.0
+        self.saved_total = 0.0
+        self.window_start, self.window_steps, self.window_saved = self.start, 0, 0.0
+
+    def stepped(self) -> None:
+        self.steps += 1
+        self.window_steps += 1
+        if self.steps == 1:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_step_s = time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def saving(self):
+        if self.device.type == "cuda":  # the steps queued before belong to the steps' time
+            torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t
+            self.saved_total += spent
+            self.window_saved += spent
+
+    def window(self) -> tuple[int, float, float]:
+        """(steps, seconds, seconds saving) since the last call, without the run's first step
+        (unless it is the window's only one); starts the next window."""
+        now = time.perf_counter()
+        steps, seconds, saved = (
+            self.window_steps,
+            now - self.window_start - self.window_saved,
+            self.window_saved,
+        )
+        if self.steps == steps and steps > 1:  # this window holds the run's first step
+            steps, seconds = steps - 1, seconds - self.first_step_s
+        self.window_start, self.window_steps, self.window_saved = now, 0, 0.0
+        return steps, seconds, saved
+
+    def steady(self) -> tuple[int, float]:
+        """(steps, seconds) of the whole run, saving and the first step left out (unless it was
+        the only step)."""
+        seconds = time.perf_counter() - self.start - self.saved_total
+        if self.steps > 1:
+            return self.steps - 1, seconds - self.first_step_s
+        return self.steps, seconds
 
 
 class _progress:

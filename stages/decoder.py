@@ -85,8 +85,13 @@ class DecoderDims:
     max_positions: int | None = None
     max_positions_field: str = "max_position_embeddings"
 
+    def __post_init__(self) -> None:
+        # a set beside the tuple: is_moe_layer is asked once per layer, so a scan of the tuple
+        # would make every walk over the layers quadratic in their number
+        object.__setattr__(self, "_moe_set", frozenset(self.moe_layers))
+
     def is_moe_layer(self, layer: int) -> bool:
-        return layer in self.moe_layers
+        return layer in self._moe_set
 
 
 def gated_mlp_shapes(prefix: str, hidden: int, intermediate: int) -> Shapes:
@@ -192,9 +197,11 @@ class MoEDecoder:
     # ------------------------------------------------------------------------------------------
     # parameters
 
-    def layer_shapes(self, cfg: Any, layer: int) -> tuple[Shapes, Shapes]:
-        """(attn stage's, mlp stage's) local parameter shapes of one layer, in order."""
-        d = self.dims(cfg)
+    def layer_shapes(self, cfg: Any, layer: int, dims: DecoderDims | None = None) -> tuple[Shapes, Shapes]:
+        """(attn stage's, mlp stage's) local parameter shapes of one layer, in order. dims: the
+        config's ``self.dims(cfg)`` when the caller has it (a walk over the layers passes it: the
+        family's dims walks every layer, so one call per layer would be quadratic)."""
+        d = self.dims(cfg) if dims is None else dims
         H = d.hidden_size
         attn = {**self.norm_shapes("input_layernorm", H), **self.attention_shapes(cfg, layer)}
         attn.update(self.norm_shapes("post_attention_layernorm", H))
@@ -208,7 +215,7 @@ class MoEDecoder:
         d = self.dims(cfg)
         shapes = self.embedding_shapes(cfg)
         for i in range(d.num_layers):
-            for part in self.layer_shapes(cfg, i):
+            for part in self.layer_shapes(cfg, i, d):
                 shapes.update({f"model.layers.{i}.{n}": s for n, s in part.items()})
         shapes.update(self.norm_shapes("model.norm", d.hidden_size))
         if not d.tie_word_embeddings:
@@ -280,7 +287,7 @@ class MoEDecoder:
         for i in range(d.num_layers):
             pre = f"model.layers.{i}."
             moe = d.is_moe_layer(i)
-            attn_shapes, mlp_shapes = self.layer_shapes(cfg, i)
+            attn_shapes, mlp_shapes = self.layer_shapes(cfg, i, d)
             attn_params = tuple(pre + n for n in attn_shapes)
             mlp_params = tuple(pre + n for n in mlp_shapes)
             losses = (aux_weight,) if moe and d.aux_loss_coef else ()

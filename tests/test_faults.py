@@ -53,7 +53,8 @@ OVERRIDES = {
 
 def _install(hooks: dict) -> None:
     """In a child: wrap fmoe functions to add RNG-drawn gradient noise, SIGKILL this process at the
-    n-th call of a named point, or fail tensor writes with ENOSPC."""
+    n-th call of a named point, send it other signals there (``signal``: [[point, n, name], ...]),
+    sleep there (``sleep``: [point, n, seconds]), or fail tensor writes with ENOSPC."""
     import fmoe.checkpoint as C
     import fmoe.optim as O
     import fmoe.parallel as P
@@ -65,6 +66,11 @@ def _install(hooks: dict) -> None:
         calls[point] = calls.get(point, 0) + 1
         if hooks.get("kill") == [point, calls[point]]:
             os.kill(os.getpid(), signal.SIGKILL)
+        for at, n, name in hooks.get("signal", []):
+            if [at, n] == [point, calls[point]]:
+                os.kill(os.getpid(), signal.Signals[name])
+        if hooks.get("sleep", [None, None])[:2] == [point, calls[point]]:
+            time.sleep(hooks["sleep"][2])
 
     real_step = P.parallel_step
 
@@ -148,7 +154,11 @@ def _serve() -> None:
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
-                    os._exit(code)
+                    if not cmd.get("teardown"):
+                        os._exit(code)
+                # teardown: leave as ``python -m fmoe`` does, through the interpreter's exit (what
+                # is still alive then, e.g. a process group, is torn down by it)
+                sys.exit(code)
             reply = {"pid": pid}
         else:
             deadline = time.monotonic() + cmd["timeout"]
@@ -183,12 +193,13 @@ class Server:
         assert line, "the fork server died"
         return json.loads(line)
 
-    def launch(self, argv, hooks=None, env=None) -> tuple[int, Path]:
+    def launch(self, argv, hooks=None, env=None, teardown: bool = False) -> tuple[int, Path]:
         self.n += 1
         log = self.cwd / f"launch{self.n}.log"
         pid = self.ask(
-            {"op": "launch", "argv": argv, "hooks": hooks or {}, "env": env or {}, "log": str(log)}
-        )
+            {"op": "launch", "argv": argv, "hooks": hooks or {}, "env": env or {}, "log": str(log),
+             "teardown": teardown}
+        )  # fmt: skip
         return pid["pid"], log
 
     def wait(self, pid: int, timeout: float = 120.0):

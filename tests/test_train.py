@@ -76,13 +76,13 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, dat
     good = checkpoint.latest(recipe.checkpoint.dir)
     assert good is not None
 
-    real_save_file = checkpoint.save_file
+    real_write = checkpoint._write_tensors
 
-    def failing_save_file(tensors, filename, *args, **kwargs):
-        real_save_file(dict(list(tensors.items())[:1]), filename, *args, **kwargs)  # a partial file ...
+    def failing_write(path, tensors, metadata):
+        real_write(path, dict(list(tensors.items())[:1]), metadata)  # a partial file ...
         raise OSError("disk full")  # ... then the writer dies
 
-    monkeypatch.setattr(checkpoint, "save_file", failing_save_file)
+    monkeypatch.setattr(checkpoint, "_write_tensors", failing_write)
     with pytest.raises(Exception, match="disk full"):
         train(recipe)
     monkeypatch.undo()

@@ -14,8 +14,9 @@ case "${1:-tier}" in
 tier)
   if [ -d before_tree ]; then
     python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before ./before_tree >/dev/null 2>&1
-    (cd before_tree && PYTHONPATH=/tmp/before timeout 100 python3 -m benchmarks.train_throughput --layers 4 \
-      $QWEN --sides fmoe,fmoe_graphs --out "$OUT/qwen3_before.json" 2>&1 | grep -E "ms/step|Error")
+    # from a folder of its own, so that neither this checkout's fmoe nor its editable install is seen
+    (cd /tmp && PYTHONPATH=/tmp/before:$OLDPWD/before_tree timeout 100 python3 -m benchmarks.train_throughput \
+      --layers 4 $QWEN --sides fmoe,fmoe_graphs --out "$OUT/qwen3_before.json" 2>&1 | grep -E "ms/step|Error")
   fi
   timeout 100 python3 -m benchmarks.train_throughput --layers 4 $QWEN --sides fmoe,fmoe_graphs \
     --out "$OUT/qwen3_after.json" 2>&1 | grep -E "ms/step|Error"
@@ -26,7 +27,9 @@ tier)
       --out "$OUT/per_layer_L$L.json" 2>&1 | grep -E "ms/step|Error"
   done
   ;;
-stall)
-  timeout 560 python3 -m benchmarks.bench_checkpoint_stall --dir /tmp/stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25
+stall)  # then the tier's tests and the before/after step, as far as the call's time allows
+  timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25
+  timeout 100 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -4 \
+    | tee "$OUT/cuda_tier.txt"
   ;;
 esac

@@ -3,6 +3,34 @@
 A model is a list of pure stage functions ``forward(params, inputs, ctx) -> outputs``; fmoe derives
 each stage's forward (F), input-gradient (B) and weight-gradient (W) callables, and runs them in the
 order a schedule table gives.
+
+The path of one training step through the modules (``fmoe train recipe.toml``), a hop a line:
+
+    cli.main -> cmd_train                   the command line; bad input becomes one line, exit 2
+    recipe.load                             the TOML, every field validated, the family looked up
+    train.train -> _train                   the run: family check, mesh, data, resume, the step loop
+      check.check_family                    every stage once on a tiny batch, before any data
+      mesh.build_mesh                       the ("pp", "dp", "cp", "ep") process groups
+      data.TokenDataset, data.batches       packed token shards read through numpy.memmap
+      checkpoint (resume point, lock)       the newest intact checkpoint, this run's folder lock
+      train_step:
+        parallel.parallel_step              one step on the mesh; gathered parameters per unit
+          runner.execute (pp = 1)           the micro-batch plan: F of every unit, then B + W back
+          interpreter.run_schedule (pp > 1) a schedule table's rows, a handler per action kind
+            fb_order, p2p                   FB's interleaving order; sends and receives of carries
+          runner.forward_stage / backward_stage / weight_grads
+                                            the one F, B and W sequence of a stage
+            stage.forward / backward_input / backward_weight
+                                            F, B and W derived from the stage's forward
+              stages.<family> -> stages.decoder, layers, moe, primitives -> kernels
+                                            the model's pure stage functions and their kernels
+        train._update -> optim.step         clip, AdamW on the shards (optim_fused), buffer updates
+      checkpoint.begin_save / PendingSave.finish
+                                            sharded, atomic, verified; written beside training
+      preemption.StopSignals                SIGTERM / SIGINT / checkpoint.signal end after a step
+
+``fmoe plan`` (plan.py) models the same step's memory from shapes; ``fmoe data`` builds token
+shards (data_build.py); ``fmoe checkpoint`` converts to and from Hugging Face (hf.py).
 """
 
 __version__ = "0.1.0"

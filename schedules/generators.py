@@ -157,6 +157,39 @@ def _zbv_rank(pp: int, m: int, n: int, r: int) -> list[Action]:
     return [a for a in rows if a.microbatch < m]
 
 
+class _PhaseRows:
+    """The rows of one DualPipe / DualPipeV rank as its phases add them: per phase p (0 or 1) the
+    count of F and of B so far, and the (microbatch, chunk) of each deferred W, oldest first."""
+
+    def __init__(self, chunk: Callable[[int], int], mb: Callable[[int, int], int]):
+        self.chunk, self.mb = chunk, mb
+        self.rows: list[Action] = []
+        self.nf, self.nb = [0, 0], [0, 0]
+        self.queue: list[tuple[int, int]] = []
+
+    def f(self, p: int) -> None:
+        self.rows.append(A("F", self.mb(p, self.nf[p]), self.chunk(p)))
+        self.nf[p] += 1
+
+    def b(self, p: int, zero_bubble: bool = False) -> None:
+        """A full backward (BW), or with ``zero_bubble`` a B whose W is queued."""
+        act = A("B" if zero_bubble else "BW", self.mb(p, self.nb[p]), self.chunk(p))
+        self.rows.append(act)
+        if zero_bubble:
+            self.queue.append((act.microbatch, act.chunk))
+        self.nb[p] += 1
+
+    def w(self) -> None:
+        self.rows.append(A("W", *self.queue.pop(0)))
+
+    def fb(self, pf: int, pb: int) -> None:
+        self.rows.append(
+            A("FB", self.mb(pf, self.nf[pf]), self.chunk(pf), self.mb(pb, self.nb[pb]), self.chunk(pb))
+        )
+        self.nf[pf] += 1
+        self.nb[pb] += 1
+
+
 def _eight_phases(
     n: int, h: int, m: int, chunk: Callable[[int], int], mb: Callable[[int, int], int]
 ) -> list[Action]:
@@ -167,61 +200,39 @@ def _eight_phases(
     and ``mb(p, i)`` the microbatch number of that chunk's i-th microbatch. A B whose W is deferred
     ("zero bubble") queues the W; each W row runs the oldest queued one.
     """
-    rows: list[Action] = []
-    nf, nb = [0, 0], [0, 0]
-    queue: list[tuple[int, int]] = []
-
-    def f(p):
-        rows.append(A("F", mb(p, nf[p]), chunk(p)))
-        nf[p] += 1
-
-    def b(p, zero_bubble=False):
-        act = A("B" if zero_bubble else "BW", mb(p, nb[p]), chunk(p))
-        rows.append(act)
-        if zero_bubble:
-            queue.append((act.microbatch, act.chunk))
-        nb[p] += 1
-
-    def w():
-        rows.append(A("W", *queue.pop(0)))
-
-    def fb(pf, pb):
-        rows.append(A("FB", mb(pf, nf[pf]), chunk(pf), mb(pb, nb[pb]), chunk(pb)))
-        nf[pf] += 1
-        nb[pb] += 1
-
+    t = _PhaseRows(chunk, mb)
     for _ in range(2 * (n - h - 1)):  # 1: nF0
-        f(0)
+        t.f(0)
     for _ in range(h + 1):  # 2: nF0F1
-        f(0)
-        f(1)
+        t.f(0)
+        t.f(1)
     for _ in range(n - h - 1):  # 3: nB1W1F1
-        b(1, zero_bubble=True)
-        w()
-        f(1)
+        t.b(1, zero_bubble=True)
+        t.w()
+        t.f(1)
     for i in range(m - 2 * n + h + 1):  # 4: nF0B1F1B0 (the middle rank does its first pair apart)
         if i == 0 and h == n - 1:
-            f(0)
-            b(1)
+            t.f(0)
+            t.b(1)
         else:
-            fb(0, 1)
-        fb(1, 0)
+            t.fb(0, 1)
+        t.fb(1, 0)
     for _ in range(n - h - 1):  # 5: nB1F1B0
-        b(1)
-        fb(1, 0)
+        t.b(1)
+        t.fb(1, 0)
     zb = False
     for i in range(h + 1):  # 6: nB1B0, deferring W from the middle on
         zb = zb or (i == (h + 1) // 2 and h % 2 == 1)
-        b(1, zb)
+        t.b(1, zb)
         zb = zb or (i == (h + 1) // 2 and h % 2 == 0)
-        b(0, zb)
+        t.b(0, zb)
     for _ in range(n - h - 1):  # 7: nWB0
-        w()
-        b(0, zb)
+        t.w()
+        t.b(0, zb)
     for _ in range(h + 1):  # 8: nW
-        w()
-    assert not queue and nf == [m, m] and nb == [m, m], "eight phases miscounted"
-    return rows
+        t.w()
+    assert not t.queue and t.nf == [m, m] and t.nb == [m, m], "eight phases miscounted"
+    return t.rows
 
 
 def dualpipev(pp: int, m: int) -> list[list[Action]]:

@@ -254,52 +254,13 @@ def read_csv(path: str | Path, text: str | None = None) -> Schedule:
                 header.update(t.split("=", 1) for t in s[1:].split() if "=" in t)
             continue
         cells = [c.strip() for c in next(csv.reader([s]))]
-        if cols is None:
-            cols = [c.lower() for c in cells]
-            missing = [c for c in COLUMNS[:4] if c not in cols]
-            unknown = [c for c in cols if c not in COLUMNS]
-            if missing or unknown:
-                what = (
-                    f"lacks column(s) {', '.join(missing)}"
-                    if missing
-                    else f"has unknown column(s) {', '.join(unknown)}"
-                )
-                raise ScheduleError(
-                    f"{src} line {lineno}: the column row {what}; columns are {', '.join(COLUMNS)}"
-                )
+        where = f"{src} line {lineno}"
+        if cols is None:  # step 1: the column row, then the header it closes
+            cols = _column_row(cells, where)
             pp, mbs, placement, chunks = _parse_header(header, src)
             continue
-        if len(cells) > len(cols):
-            raise ScheduleError(f"{src} line {lineno}: {len(cells)} cells, the column row names {len(cols)}")
-        row = dict(zip(cols, cells))
-        kind = row["action"].upper()
-        if kind not in KINDS:
-            raise ScheduleError(
-                f"{src} line {lineno}: action {row['action']!r} is not one of {', '.join(KINDS)}"
-            )
-        vals = {}
-        for c in ("rank", "microbatch", "chunk", "b_microbatch", "b_chunk", "peer"):
-            v = row.get(c, "")
-            need = (
-                c in ("rank", "microbatch", "chunk")
-                or (kind == "FB" and c.startswith("b_"))
-                or (kind in COMM and c == "peer")
-            )
-            if v == "":
-                if need:
-                    raise ScheduleError(f"{src} line {lineno}: {kind} needs a value in column {c}")
-                vals[c] = None
-                continue
-            try:
-                vals[c] = int(v)
-            except ValueError:
-                raise ScheduleError(
-                    f"{src} line {lineno}: column {c} must be an integer, got {v!r}"
-                ) from None
-        rank = vals.pop("rank")
-        if not 0 <= rank < pp:
-            raise ScheduleError(f"{src} line {lineno}: rank {rank} outside 0..{pp - 1} (pp={pp})")
-        per_rank.setdefault(rank, []).append(Action(kind, **vals))
+        rank, action = _parse_row(cells, cols, pp, where)  # step 2: every other line is a row
+        per_rank.setdefault(rank, []).append(action)
         per_line.setdefault(rank, []).append(lineno)
     if cols is None:
         raise ScheduleError(f"{src}: no column row (expected {','.join(COLUMNS)})")
@@ -313,6 +274,52 @@ def read_csv(path: str | Path, text: str | None = None) -> Schedule:
         lines=tuple(tuple(per_line.get(r, ())) for r in range(pp)),
         source=src,
     )
+
+
+def _column_row(cells: list[str], where: str) -> list[str]:
+    """The column names (lower case) of the column row, which must name the first four of ``COLUMNS``."""
+    cols = [c.lower() for c in cells]
+    missing = [c for c in COLUMNS[:4] if c not in cols]
+    unknown = [c for c in cols if c not in COLUMNS]
+    if missing or unknown:
+        what = (
+            f"lacks column(s) {', '.join(missing)}"
+            if missing
+            else f"has unknown column(s) {', '.join(unknown)}"
+        )
+        raise ScheduleError(f"{where}: the column row {what}; columns are {', '.join(COLUMNS)}")
+    return cols
+
+
+def _parse_row(cells: list[str], cols: list[str], pp: int, where: str) -> tuple[int, Action]:
+    """(rank, action) of one row; ``where`` ("<file> line <n>") starts its error messages."""
+    if len(cells) > len(cols):
+        raise ScheduleError(f"{where}: {len(cells)} cells, the column row names {len(cols)}")
+    row = dict(zip(cols, cells))
+    kind = row["action"].upper()
+    if kind not in KINDS:
+        raise ScheduleError(f"{where}: action {row['action']!r} is not one of {', '.join(KINDS)}")
+    vals: dict[str, int | None] = {}
+    for c in ("rank", "microbatch", "chunk", "b_microbatch", "b_chunk", "peer"):
+        v = row.get(c, "")
+        need = (
+            c in ("rank", "microbatch", "chunk")
+            or (kind == "FB" and c.startswith("b_"))
+            or (kind in COMM and c == "peer")
+        )
+        if v == "":
+            if need:
+                raise ScheduleError(f"{where}: {kind} needs a value in column {c}")
+            vals[c] = None
+            continue
+        try:
+            vals[c] = int(v)
+        except ValueError:
+            raise ScheduleError(f"{where}: column {c} must be an integer, got {v!r}") from None
+    rank = vals.pop("rank")
+    if not 0 <= rank < pp:
+        raise ScheduleError(f"{where}: rank {rank} outside 0..{pp - 1} (pp={pp})")
+    return rank, Action(kind, **vals)
 
 
 def _parse_header(header: dict[str, str], src: str) -> tuple[int, int, str, int]:

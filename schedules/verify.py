@@ -50,140 +50,178 @@ def _layout(s: Schedule, r: int):
     return base, stage, prev, nxt
 
 
-def _scan_rank(
-    s: Schedule, r: int, n: int, lowered: bool, f_row, b_row, w_row, got, sent, chan, late
-) -> list[Op]:
-    """Check rank r's rows in order against the shared per-key state; return its compiled compute rows.
+class _Shared(NamedTuple):
+    """The state the scans of all ranks share, indexed by key (see ``Op``): the row of each key's F,
+    B and W on its rank (-1: none yet), which keys were received and sent, the transfers between
+    each pair of ranks (``_match`` pairs them), and the missing RECVs, reported after the matching."""
+
+    n: int
+    lowered: bool
+    f_row: list[int]
+    b_row: list[int]
+    w_row: list[int]
+    got: bytearray
+    sent: bytearray
+    # (src, dst) -> keys and rows of the sends from src to dst, keys and rows of dst's receives from src
+    chan: dict[tuple[int, int], tuple[list, list, list, list]]
+    late: list[ScheduleError]
+
+
+class _RankScan:
+    """Rank r's rows checked in order against the ``_Shared`` state; ``ops`` are its compiled compute rows.
 
     A missing RECV goes to ``late``: reported after the sends and receives are matched, so that a
     send without its receive is named as such.
     """
-    M, C = s.microbatches, s.chunks
-    bidir, half = s.placement == "bidir", M // 2
-    acts = s.actions[r]
-    base, stage, prev_rc, next_rc = _layout(s, r)
-    prev, nxt = [q for q, _ in prev_rc], [q for q, _ in next_rc]
-    ops: list[Op] = []
 
-    def check(i, a, m, c):
+    def __init__(self, s: Schedule, r: int, shared: _Shared):
+        self.s, self.r, self.sh = s, r, shared
+        self.base, self.stage, prev_rc, next_rc = _layout(s, r)
+        self.prev, self.nxt = [q for q, _ in prev_rc], [q for q, _ in next_rc]
+        self.ops: list[Op] = []
+
+    def row(self, i: int, a: Action) -> None:
+        """Step 1: the row's microbatch and chunk; step 2: the checks of its kind; step 3: its compiled row."""
+        sh, kind, c = self.sh, a.kind, a.chunk
+        key = self.key(i, a, a.microbatch, c)
+        if kind == "F" or kind == "FB":
+            nf, rf = self.forward(i, a, key, c)
+            if kind == "F":
+                self.ops.append((i, nf, rf, -1, False, key, -1, self.stage[c]))
+                return
+            bc = a.b_chunk
+            bkey = self.key(i, a, a.b_microbatch, bc)
+            ng, rg = self.backward(i, a, bkey, bc, "its backward half")
+            sh.w_row[bkey] = i
+            self.ops.append((i, nf, rf, ng, rg, key, sh.n + bkey, self.stage[c]))
+        elif kind == "B" or kind == "BW":
+            ng, rg = self.backward(i, a, key, c, "it")
+            if kind == "BW":
+                sh.w_row[key] = i
+            self.ops.append((i, -1, False, ng, rg, -1, sh.n + key, self.stage[c]))
+        elif kind == "W":
+            self.weight(i, a, key)
+            self.ops.append((i, -1, False, -1, False, -1, -1, self.stage[c]))
+        elif kind in COMM:
+            self.transfer(i, a, key, c)
+        else:
+            raise _err(self.s, self.r, i, a, f"kind must be one of F, B, W, BW, FB, {', '.join(COMM)}")
+
+    def key(self, i: int, a: Action, m, c) -> int:
+        """The key of (microbatch m, chunk c), after checking both are in range (and, for bidir, agree)."""
+        s = self.s
+        M, C = s.microbatches, s.chunks
         if type(m) is not int or not 0 <= m < M:
-            raise _err(s, r, i, a, f"microbatch {m!r} outside 0..{M - 1}")
+            raise _err(s, self.r, i, a, f"microbatch {m!r} outside 0..{M - 1}")
         if type(c) is not int or not 0 <= c < C:
-            raise _err(s, r, i, a, f"chunk {c!r} outside 0..{C - 1}")
-        if bidir and (m >= half) != (c == 1):
-            k = int(m >= half)
+            raise _err(s, self.r, i, a, f"chunk {c!r} outside 0..{C - 1}")
+        if s.placement == "bidir" and (m >= M // 2) != (c == 1):
+            k = int(m >= M // 2)
             raise _err(
-                s, r, i, a, f"in placement bidir microbatch {m} travels model copy {k}, held as chunk {k}"
+                s,
+                self.r,
+                i,
+                a,
+                f"in placement bidir microbatch {m} travels model copy {k}, held as chunk {k}",
             )
-        return base[c] + m
+        return self.base[c] + m
 
-    def backward(i, a, key, c, what):
-        if f_row[key] < 0:
-            raise _err(s, r, i, a, f"{what} comes before the F of the same microbatch and chunk")
-        if b_row[key] >= 0:
-            raise _err(
-                s, r, i, a, f"{what} is a second B of this microbatch and chunk (first: row {b_row[key]})"
-            )
-        q, ng, rg = nxt[c], -1, False
+    def forward(self, i: int, a: Action, key: int, c: int) -> tuple[int, bool]:
+        """Check an F; return (the key of its input or -1, whether that comes from another rank)."""
+        s, r, sh, M = self.s, self.r, self.sh, self.s.microbatches
+        if sh.f_row[key] >= 0:
+            raise _err(s, r, i, a, f"second F of this microbatch and chunk (first: row {sh.f_row[key]})")
+        q, nf, rf = self.prev[c], -1, False
         if q >= 0:
-            ng = n + key + M
-            if q == r and b_row[key + M] < 0:
+            nf = key - M
+            if q == r and sh.f_row[nf] < 0:
                 raise _err(
-                    s, r, i, a, f"{what} comes before the B of stage {stage[c] + 1} (same rank) it needs"
+                    s, r, i, a, f"comes before the F of stage {self.stage[c] - 1} (same rank) it needs"
+                )
+            if q != r:
+                rf = True
+                if sh.lowered and not sh.got[key]:
+                    sh.late.append(_err(s, r, i, a, f"no RECV_F from rank {q} comes before it"))
+        sh.f_row[key] = i
+        return nf, rf
+
+    def backward(self, i: int, a: Action, key: int, c: int, what: str) -> tuple[int, bool]:
+        """Check a B (``what``: how the message names it); return (the key of its output gradient
+        or -1, whether that comes from another rank)."""
+        s, r, sh, M = self.s, self.r, self.sh, self.s.microbatches
+        if sh.f_row[key] < 0:
+            raise _err(s, r, i, a, f"{what} comes before the F of the same microbatch and chunk")
+        if sh.b_row[key] >= 0:
+            raise _err(
+                s, r, i, a, f"{what} is a second B of this microbatch and chunk (first: row {sh.b_row[key]})"
+            )
+        q, ng, rg = self.nxt[c], -1, False
+        if q >= 0:
+            ng = sh.n + key + M
+            if q == r and sh.b_row[key + M] < 0:
+                raise _err(
+                    s, r, i, a, f"{what} comes before the B of stage {self.stage[c] + 1} (same rank) it needs"
                 )
             if q != r:
                 rg = True
-                if lowered and not got[n + key]:
-                    late.append(_err(s, r, i, a, f"no RECV_B from rank {q} comes before {what}"))
-        b_row[key] = i
+                if sh.lowered and not sh.got[sh.n + key]:
+                    sh.late.append(_err(s, r, i, a, f"no RECV_B from rank {q} comes before {what}"))
+        sh.b_row[key] = i
         return ng, rg
 
-    for i, a in enumerate(acts):
-        kind, c = a.kind, a.chunk
-        key = check(i, a, a.microbatch, c)
-        if kind == "F" or kind == "FB":
-            if f_row[key] >= 0:
-                raise _err(s, r, i, a, f"second F of this microbatch and chunk (first: row {f_row[key]})")
-            q, nf, rf = prev[c], -1, False
-            if q >= 0:
-                nf = key - M
-                if q == r and f_row[nf] < 0:
-                    raise _err(s, r, i, a, f"comes before the F of stage {stage[c] - 1} (same rank) it needs")
-                if q != r:
-                    rf = True
-                    if lowered and not got[key]:
-                        late.append(_err(s, r, i, a, f"no RECV_F from rank {q} comes before it"))
-            f_row[key] = i
-            if kind == "F":
-                ops.append((i, nf, rf, -1, False, key, -1, stage[c]))
-                continue
-            bc = a.b_chunk
-            bkey = check(i, a, a.b_microbatch, bc)
-            ng, rg = backward(i, a, bkey, bc, "its backward half")
-            w_row[bkey] = i
-            ops.append((i, nf, rf, ng, rg, key, n + bkey, stage[c]))
-        elif kind == "B" or kind == "BW":
-            ng, rg = backward(i, a, key, c, "it")
-            if kind == "BW":
-                w_row[key] = i
-            ops.append((i, -1, False, ng, rg, -1, n + key, stage[c]))
-        elif kind == "W":
-            if b_row[key] < 0:
-                raise _err(s, r, i, a, "comes before the B of the same microbatch and chunk")
-            if w_row[key] >= 0:
-                raise _err(s, r, i, a, f"second W of this microbatch and chunk (first: row {w_row[key]})")
-            w_row[key] = i
-            ops.append((i, -1, False, -1, False, -1, -1, stage[c]))
-        elif kind in COMM:
-            grad = kind[-1] == "B"
-            q = prev[c] if kind in ("RECV_F", "SEND_B") else nxt[c]
-            if q < 0:
-                raise _err(s, r, i, a, f"stage {stage[c]} has no neighbouring stage in that direction")
-            if q == r:
-                raise _err(
-                    s, r, i, a, f"the neighbouring stage is on rank {r} too; there is nothing to transfer"
-                )
-            if a.peer != q:
-                raise _err(s, r, i, a, f"peer must be rank {q}, which holds the neighbouring stage")
-            mine = n + key if grad else key
-            if kind[0] == "S":
-                if (b_row if grad else f_row)[key] < 0:
-                    raise _err(
-                        s, r, i, a, f"comes before the {'B' if grad else 'F'} that makes what it sends"
-                    )
-                if sent[mine]:
-                    raise _err(s, r, i, a, f"second {kind} of this microbatch and chunk")
-                sent[mine] = 1
-                ch = chan.setdefault((r, q), ([], [], [], []))
-                ch[0].append(mine - M if grad else mine + M)  # the key the receiver files it under
-                ch[1].append(i)
-            else:
-                if got[mine]:
-                    raise _err(s, r, i, a, f"second {kind} of this microbatch and chunk")
-                got[mine] = 1
-                ch = chan.setdefault((q, r), ([], [], [], []))
-                ch[2].append(mine)
-                ch[3].append(i)
+    def weight(self, i: int, a: Action, key: int) -> None:
+        sh = self.sh
+        if sh.b_row[key] < 0:
+            raise _err(self.s, self.r, i, a, "comes before the B of the same microbatch and chunk")
+        if sh.w_row[key] >= 0:
+            raise _err(
+                self.s, self.r, i, a, f"second W of this microbatch and chunk (first: row {sh.w_row[key]})"
+            )
+        sh.w_row[key] = i
+
+    def transfer(self, i: int, a: Action, key: int, c: int) -> None:
+        """Check a SEND/RECV's peer and data; file it on its channel for ``_match``."""
+        s, r, sh, kind = self.s, self.r, self.sh, a.kind
+        grad = kind[-1] == "B"
+        q = self.prev[c] if kind in ("RECV_F", "SEND_B") else self.nxt[c]
+        if q < 0:
+            raise _err(s, r, i, a, f"stage {self.stage[c]} has no neighbouring stage in that direction")
+        if q == r:
+            raise _err(s, r, i, a, f"the neighbouring stage is on rank {r} too; there is nothing to transfer")
+        if a.peer != q:
+            raise _err(s, r, i, a, f"peer must be rank {q}, which holds the neighbouring stage")
+        mine = sh.n + key if grad else key
+        done = sh.sent if kind[0] == "S" else sh.got
+        if kind[0] == "S" and (sh.b_row if grad else sh.f_row)[key] < 0:
+            raise _err(s, r, i, a, f"comes before the {'B' if grad else 'F'} that makes what it sends")
+        if done[mine]:
+            raise _err(s, r, i, a, f"second {kind} of this microbatch and chunk")
+        done[mine] = 1
+        if kind[0] == "S":
+            ch = sh.chan.setdefault((r, q), ([], [], [], []))
+            ch[0].append(mine - s.microbatches if grad else mine + s.microbatches)  # the receiver's key
+            ch[1].append(i)
         else:
-            raise _err(s, r, i, a, f"kind must be one of F, B, W, BW, FB, {', '.join(COMM)}")
-    return ops
+            ch = sh.chan.setdefault((q, r), ([], [], [], []))
+            ch[2].append(mine)
+            ch[3].append(i)
 
 
 def _scan(s: Schedule) -> _Scan:
     """All static checks in one pass over the rows; returns the compiled compute rows."""
     n = (2 if s.placement == "bidir" else 1) * num_stages(s) * s.microbatches
     lowered = any(a.kind in COMM for acts in s.actions for a in acts)
-    f_row, b_row, w_row = [-1] * n, [-1] * n, [-1] * n
-    got, sent = bytearray(2 * n), bytearray(2 * n)
-    # (src, dst) -> keys and rows of the sends from src to dst, keys and rows of dst's receives from src
-    chan: dict[tuple[int, int], tuple[list, list, list, list]] = {}
-    late: list[ScheduleError] = []
-    state = (f_row, b_row, w_row, got, sent, chan, late)
-    all_ops = [_scan_rank(s, r, n, lowered, *state) for r in range(s.pp)]
-    _complete(s, f_row, b_row, w_row, n)
-    partner = _match(s, chan) if lowered else None
-    if late:
-        raise late[0]
+    sh = _Shared(n, lowered, [-1] * n, [-1] * n, [-1] * n, bytearray(2 * n), bytearray(2 * n), {}, [])
+    all_ops = []
+    for r in range(s.pp):
+        scan = _RankScan(s, r, sh)
+        for i, a in enumerate(s.actions[r]):
+            scan.row(i, a)
+        all_ops.append(scan.ops)
+    _complete(s, sh.f_row, sh.b_row, sh.w_row, n)
+    partner = _match(s, sh.chan) if lowered else None
+    if sh.late:
+        raise sh.late[0]
     return _Scan(all_ops, 2 * n, partner)
 
 

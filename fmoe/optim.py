@@ -308,17 +308,7 @@ def adamw(
             count = count - found_inf
         return params, {**state, "step": count}
 
-    @torch.no_grad()
-    def update(updates: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
-        if params is None:
-            raise ValueError("adamw: update needs params (the weight decay and the fused kernel read them)")
-        # Run the fused step on a copy of the params, then report the difference as the update.
-        new, state = step_(updates, state, {n: p.clone() for n, p in params.items()})
-        for group in group_by_device_dtype(params, list(params)).values():
-            torch._foreach_sub_([new[n] for n in group], [params[n] for n in group])
-        return new, state
-
-    return GradientTransformation(init, update, step_)
+    return GradientTransformation(init, _update_by_step(step_), step_)
 
 
 def default_decay_mask(params: Params) -> dict[str, bool]:
@@ -426,6 +416,21 @@ def _adamw_init(params: Params, decays: Callable[[str], bool]) -> State:
     return state
 
 
+def _update_by_step(step_: Callable[..., tuple[Params, State]]) -> Callable[..., tuple[Params, State]]:
+    """:func:`adamw`'s optax ``update``: its fused step run on a copy of the params, new - old returned."""
+
+    @torch.no_grad()
+    def update(updates: Params, state: State, params: Params | None = None) -> tuple[Params, State]:
+        if params is None:
+            raise ValueError("adamw: update needs params (the weight decay and the fused kernel read them)")
+        new, state = step_(updates, state, {n: p.clone() for n, p in params.items()})
+        for group in group_by_device_dtype(params, list(params)).values():
+            torch._foreach_sub_([new[n] for n in group], [params[n] for n in group])
+        return new, state
+
+    return update
+
+
 def _device_of(params: Params) -> torch.device:
     for p in params.values():
         return p.device
@@ -436,13 +441,6 @@ def _skip_if_nonfinite(scale: Tensor, found_inf: Tensor | None) -> Tensor:
     """found_inf (0-d float32, 1.0 = skip) raised to 1.0 when ``scale`` is not finite (no sync)."""
     bad = (~torch.isfinite(scale)).to(torch.float32)
     return bad if found_inf is None else torch.maximum(found_inf.to(bad.device, torch.float32), bad)
-
-
-def _check_same_keys(params: Mapping[str, Tensor], other: Mapping[str, Tensor], what: str) -> None:
-    if len(params) != len(other) or any(n not in other for n in params):
-        missing = [n for n in params if n not in other]
-        extra = [n for n in other if n not in params]
-        raise ValueError(f"{what} do not match the parameters: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
 def _check_same_keys(params: Mapping[str, Tensor], other: Mapping[str, Tensor], what: str) -> None:

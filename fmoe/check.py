@@ -394,25 +394,33 @@ def check_gradients(
         want_inputs, want_params = _autograd_gradients(stage, params, inputs, grad_outputs, loss_scale=0.5)
         got = {f"input {k}": g for k, g in enumerate(grad_inputs)} | grads
         want = {f"input {k}": g for k, g in enumerate(want_inputs)} | want_params
-        for what in dict.fromkeys([*want, *got]):
-            g, w = got.get(what), want.get(what)
-            if w is None or g is None:
-                if w is not None or g is not None:
-                    which = "B" if what.startswith("input") else "W"
-                    raise GradientMismatch(
-                        f"{place}: {which} gives {'no' if g is None else 'a'} gradient of {what}, autograd "
-                        f"{'none' if w is None else 'one'}"
-                    )
-                continue
-            err = _relative_error(g, w)
+        for what, err in _compare(place, got, want, rtol).items():
             errors[f"{stage.name}: {what}"] = err
-            if not err <= rtol:
-                which = "B" if what.startswith("input") else "W"
-                raise GradientMismatch(
-                    f"{place}: {which}'s gradient of {what} differs from autograd's by relative error "
-                    f"{err:.3g} (float64; tolerance {rtol:g})"
-                )
         carry = carried
+    return errors
+
+
+def _compare(place: str, got: dict, want: dict, rtol: float) -> dict[str, float]:
+    """{what: relative error} of the stage's gradients ``got`` against autograd's ``want``; raises
+    GradientMismatch naming ``place`` for the first over ``rtol`` or given by only one of the two."""
+    errors: dict[str, float] = {}
+    for what in dict.fromkeys([*want, *got]):
+        g, w = got.get(what), want.get(what)
+        which = "B" if what.startswith("input") else "W"
+        if w is None or g is None:
+            if w is not None or g is not None:
+                raise GradientMismatch(
+                    f"{place}: {which} gives {'no' if g is None else 'a'} gradient of {what}, autograd "
+                    f"{'none' if w is None else 'one'}"
+                )
+            continue
+        err = _relative_error(g, w)
+        errors[what] = err
+        if not err <= rtol:
+            raise GradientMismatch(
+                f"{place}: {which}'s gradient of {what} differs from autograd's by relative error "
+                f"{err:.3g} (float64; tolerance {rtol:g})"
+            )
     return errors
 
 

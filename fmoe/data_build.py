@@ -79,14 +79,7 @@ def build(
     ]
 
     # Step 4: tokenize the missing shards, in this process or in spawned ones
-    done = len(shards) - len(jobs)
-    with contextlib.closing(_run(jobs, workers)) as committed:  # closing: an exception stops the pool
-        for index, tokens in committed:
-            done += 1
-            if progress:
-                print(f"shard {index} done ({tokens:,} tokens), {done}/{len(shards)}", file=sys.stderr)
-            if on_shard is not None:
-                on_shard(index, tokens)
+    _tokenize(jobs, workers, len(shards), on_shard, progress)
 
     # Step 5: write the index last: its presence means the build is complete
     index = _index(out, len(shards), spec, dtype, plan["inputs"])
@@ -123,6 +116,25 @@ def _write_or_check_plan(out: Path, plan: dict[str, Any]) -> None:
         raise ValueError(
             f"{out} holds another build (build.json differs in {diff}); use another --out or delete it"
         )
+
+
+def _tokenize(
+    jobs: list[tuple[int, list[Piece], str, str, TokenizerSpec]],
+    workers: int,
+    n_shards: int,
+    on_shard: Callable[[int, int], None] | None,
+    progress: bool,
+) -> None:
+    """Run the jobs (``_run``), reporting each committed shard to ``on_shard`` and, with
+    ``progress``, on stderr (the count includes the shards an earlier build finished)."""
+    done = n_shards - len(jobs)
+    with contextlib.closing(_run(jobs, workers)) as committed:  # closing: an exception stops the pool
+        for index, tokens in committed:
+            done += 1
+            if progress:
+                print(f"shard {index} done ({tokens:,} tokens), {done}/{n_shards}", file=sys.stderr)
+            if on_shard is not None:
+                on_shard(index, tokens)
 
 
 def _run(

@@ -5,8 +5,8 @@
     result.grads      # {global name: gradient} for the parameters this rank holds
 
 Each rank validates the table (an invalid one raises the validator's ScheduleError on every rank
-before any compute or communication), lowers it if it has no SEND/RECV rows, then runs its own rows
-in order. Nothing here knows one schedule from another: F, B, W, BW and FB run a chunk's model stages
+before any compute or communication), lowers it if it has no SEND/RECV rows (both once per table
+value, ``_checked_and_lowered``), then runs its own rows in order. Nothing here knows one schedule from another: F, B, W, BW and FB run a chunk's model stages
 (``fmoe.pipeline``), SEND/RECV move the chunk's carry tuple, and per-(microbatch, chunk) state lives
 in dicts that each row pops from, so an activation is dropped as soon as its B (or its W) has run.
 
@@ -32,6 +32,7 @@ Failures: see ``fmoe.dist`` (a failure key in the group's store that blocked ran
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -54,6 +55,7 @@ from fmoe.schedules.table import (
     stage_of,
 )
 from fmoe.schedules.verify import lower, validate
+from fmoe.shared_grads import sum_shared_grads
 from fmoe.stages.spec import Model, StageContext
 
 # ----------------------------------------------------------------------------------------------
@@ -83,6 +85,8 @@ class _Rank:
         self.grads: dict[str, Tensor] = {}
         self.statistics: dict[str, Tensor] = {}  # this rank's stages' counts, summed over microbatches
         self.link = Channel(group, rank, timeout_s)  # sends and receives to the other pipeline ranks
+        self.action: object = "setup"  # what runs now and its row (None: not a row), for a failure
+        self.row: int | None = None
 
     def neighbour(self, chunk: int, step: int) -> tuple[int, int] | None:
         """(rank, chunk) of the pipeline stage ``step`` (+1 next, -1 previous) from ``chunk``'s."""
@@ -290,66 +294,13 @@ def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
     return R.mean_loss(losses), losses
 
 
-def _reduce_shared(st: _Rank, names: Sequence[str]) -> None:
-    """Sum the gradients of parameters held by several ranks (DualPipe copies, tied embeddings):
-    each holder sends to the lowest one, which adds them in rank order and sends the sum back."""
-    holders = P.param_holders(st.model, st.s)
-    pairs: dict[tuple[int, int], list[str]] = {}  # (root, other holder) -> names, for this rank's pairs
-    for n in names:
-        hs = holders[n]
-        for o in hs[1:]:
-            if st.rank in (hs[0], o):
-                pairs.setdefault((hs[0], o), []).append(n)
-    if not pairs:
-        return
-    dev, g = st.link.device(), st.grads
-
-    def flat(ns):
-        return torch.cat([g[n].reshape(-1) for n in ns]).to(dev)
-
-    def unpack(buf, ns):
-        at, out = 0, {}
-        for n in ns:
-            out[n] = buf[at : at + g[n].numel()].view_as(g[n]).to(g[n].device)
-            at += g[n].numel()
-        return out
-
-    def exchange(send_from_root: bool) -> dict:
-        ops, bufs = [], {}
-        for (root, o), ns in sorted(pairs.items()):
-            src, dst = (root, o) if send_from_root else (o, root)
-            if st.rank == src:
-                ops.append(dist.P2POp(dist.isend, flat(ns), D.global_rank(st.group, dst), st.group))
-            else:
-                bufs[(root, o)] = buf = torch.empty(
-                    sum(g[n].numel() for n in ns), dtype=g[ns[0]].dtype, device=dev
-                )
-                ops.append(dist.P2POp(dist.irecv, buf, D.global_rank(st.group, src), st.group))
-        st.link.wait(dist.batch_isend_irecv(ops), "the shared-gradient exchange")
-        return bufs
-
-    for (root, o), buf in sorted(exchange(send_from_root=False).items()):  # roots: add in rank order
-        for n, t in unpack(buf, pairs[(root, o)]).items():
-            g[n] = g[n] + t
-    for (root, o), buf in exchange(send_from_root=True).items():
-        for n, t in unpack(buf, pairs[(root, o)]).items():
-            g[n] = t.clone()
-
-
-_LOWERED: dict[int, tuple[Schedule, Schedule]] = {}
-
-
+@functools.lru_cache(maxsize=16)
 def _checked_and_lowered(schedule: Schedule) -> Schedule:
-    """validate + lower, once per table object: a trainer runs the same table every step."""
-    hit = _LOWERED.get(id(schedule))
-    if hit is not None and hit[0] is schedule:
-        return hit[1]
+    """validate + lower, once per table: a trainer runs the same table every step. A ``Schedule`` is
+    a frozen dataclass of tuples, so the cache is keyed by its value (pp, microbatches, placement,
+    chunks, rows, name), not by the object; an invalid table raises on every call (errors are not cached)."""
     validate(schedule)
-    lowered = lower(schedule)
-    if len(_LOWERED) > 16:
-        _LOWERED.clear()
-    _LOWERED[id(schedule)] = (schedule, lowered)  # holding the table keeps its id from being reused
-    return lowered
+    return lower(schedule)
 
 
 def rank_actions(schedule: Schedule, rank: int) -> tuple[Action, ...]:
@@ -411,35 +362,45 @@ def run_schedule(
         taken = {n for ns in hooks.take.values() for n in ns}
         names = [n for n in names if n not in taken]
     actions = schedule.actions[rank]
-    action: object = "setup"
-    row: int | None = None
 
     def run_row(k: int) -> None:
-        nonlocal action, row
-        action, row = actions[k], k
-        HANDLERS[action.kind](st, action, order)
+        st.action, st.row = actions[k], k
+        HANDLERS[actions[k].kind](st, actions[k], order)
 
     try:
         R.run_steps(len(actions), run_row, hooks, lambda ns: R.take_grads(st.grads, None, params, ns))
-        action, row = "the final waits", None
-        st.link.wait_all()
-        loss, losses = _finish_loss(st)
-        grads = R.zero_missing(st.grads, params, names)
-        st.grads = grads
-        if reduce_shared:
-            _reduce_shared(st, names)
-        return R.StepResult(loss, st.grads, losses, st.statistics)
+        st.action, st.row = "the final waits", None
+        return _finish(st, params, names, reduce_shared)
     except D.PipelineError:
         raise
     except Exception as e:
-        earlier = D.failure(group)  # a peer failed first (its closed sockets are what broke this rank)
-        if earlier is not None:
-            raise D.PipelineError(earlier) from e
-        msg = f"pipeline rank {rank} failed at {action}: {type(e).__name__}: {e}"
-        if row is not None:
-            msg += "\n" + rank_table(actions, rank, marked=row)
-        D.fail(group, msg)
-        raise D.PipelineError(msg) from e
+        raise _failure(st, e) from e
+
+
+def _finish(
+    st: _Rank, params: Mapping[str, Tensor], names: Sequence[str], reduce_shared: bool
+) -> R.StepResult:
+    """The step's end on this rank: the sends waited on, the loss, the gradients of ``names`` (zeros
+    where its rows gave none; with ``reduce_shared``, summed over their holders: ``fmoe.shared_grads``)."""
+    st.link.wait_all()
+    loss, losses = _finish_loss(st)
+    st.grads = R.zero_missing(st.grads, params, names)
+    if reduce_shared:
+        sum_shared_grads(st.grads, names, P.param_holders(st.model, st.s), st.link)
+    return R.StepResult(loss, st.grads, losses, st.statistics)
+
+
+def _failure(st: _Rank, e: Exception) -> D.PipelineError:
+    """A peer's earlier failure (its closed sockets are what broke this rank), else this rank's at
+    ``st.action`` with its table, recorded in the group's store for the peers (``fmoe.dist``)."""
+    earlier = D.failure(st.group)
+    if earlier is not None:
+        return D.PipelineError(earlier)
+    msg = f"pipeline rank {st.rank} failed at {st.action}: {type(e).__name__}: {e}"
+    if st.row is not None:
+        msg += "\n" + rank_table(st.s.actions[st.rank], st.rank, marked=st.row)
+    D.fail(st.group, msg)
+    return D.PipelineError(msg)
 
 
 def pipeline_step(

@@ -19,7 +19,7 @@ from fmoe import pipeline as P
 from fmoe import runner as R
 from fmoe.schedules.generators import generate
 from fmoe.schedules.table import ScheduleError, read_csv
-from fmoe.schedules.verify import validate
+from fmoe.schedules.verify import lower, validate
 from fmoe.stages import qwen3_moe
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipe", "dualpipev"]
@@ -173,6 +173,22 @@ def test_invalid_table_fails_on_every_rank_before_any_compute(runs):
         assert message == str(expected.value)
         assert calls == 0
         assert value["after_invalid"]
+
+
+def test_a_table_is_validated_and_lowered_once_per_value_and_an_invalid_one_every_time(monkeypatch):
+    """The interpreter keeps a table's lowered form keyed by the table's value (pp, microbatches,
+    placement, chunks, rows, name), not by the object: an equal table made again is not lowered again."""
+    lowered: list = []
+    monkeypatch.setattr(I, "lower", lambda s: lowered.append(s) or lower(s))
+    I._checked_and_lowered.cache_clear()
+    a, b = generate("zbv", 2, 4), generate("zbv", 2, 4)
+    assert a is not b and a == b
+    assert I.rank_actions(a, 1) == I.rank_actions(b, 1) == lower(a).actions[1]
+    assert len(lowered) == 1
+    for _ in range(2):
+        with pytest.raises(ScheduleError, match="has no B"):
+            I.rank_actions(broken_table(2, 4), 1)
+    assert len(lowered) == 1
 
 
 def failing_worker(rank: int, world: int, group) -> str:

@@ -6,9 +6,10 @@
 
 Each rank validates the table (an invalid one raises the validator's ScheduleError on every rank
 before any compute or communication), lowers it if it has no SEND/RECV rows (both once per table
-value, ``_checked_and_lowered``), then runs its own rows in order. Nothing here knows one schedule from another: F, B, W, BW and FB run a chunk's model stages
-(``fmoe.pipeline``), SEND/RECV move the chunk's carry tuple, and per-(microbatch, chunk) state lives
-in dicts that each row pops from, so an activation is dropped as soon as its B (or its W) has run.
+value, ``_checked_and_lowered``), then runs its own rows in order. Nothing here knows one schedule
+from another: F, B, W, BW and FB run a chunk's model stages (``fmoe.pipeline``), SEND/RECV move the
+chunk's carry tuple, and per-(microbatch, chunk) state lives in dicts that each row pops from, so
+an activation is dropped as soon as its B (or its W) has run.
 
 Data between stages is the runner's: each model stage runs through ``runner.forward_stage`` /
 ``backward_stage`` / ``weight_grads`` (the one F/B/W sequence), a chunk's input is the carry of the

@@ -81,8 +81,8 @@ class _RankScan:
         self.ops: list[Op] = []
 
     def row(self, i: int, a: Action) -> None:
-        """Step 1: the row's microbatch and chunk (its key); step 2: the checks of its kind;
-        step 3: its compiled compute row (transfers have none)."""
+        """Check row i, ``a``: its microbatch and chunk, then by its kind; append its compiled compute
+        row to ``ops`` (a transfer has none)."""
         sh, kind, c = self.sh, a.kind, a.chunk
         key = self.key(i, a, a.microbatch, c)
         if kind == "F" or kind == "FB":

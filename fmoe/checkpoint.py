@@ -46,8 +46,8 @@ layout: callers say which range of which canonical tensor they hold (:class:`Sha
 resume on another layout.
 
 This module is the public home of the checkpoint API: import every name from here. It defines
-nothing; it re-exports the names of the modules that hold each concern, which import one another
-downhill only (format <- lock, verify <- read, plan, install <- write; rng):
+nothing; it re-exports the names of the modules that hold each concern. Each of them imports only
+modules listed above it (no cycles):
 
     checkpoint_format   file names, formats, errors, dtypes, rank_file, StreamedSafetensors
     checkpoint_lock     lock_folder, FolderLock: one writer per folder
@@ -58,8 +58,9 @@ downhill only (format <- lock, verify <- read, plan, install <- write; rng):
     checkpoint_write    save, save_sharded, begin_save, PendingSave
     checkpoint_rng      capture_rng, restore_rng
 
-A test that replaces an internal function (``_write_tensors``, ``_fsync_dir``) patches the module
-that defines and calls it, not this one.
+A test that replaces an internal function patches the module that defines and calls it
+(``checkpoint_write._write_tensors``, ``checkpoint_install._fsync_dir``): replacing a name here
+changes only what callers of ``fmoe.checkpoint.<name>`` see.
 """
 
 from fmoe.checkpoint_format import (

@@ -238,47 +238,27 @@ def export_hf(
     new one is complete. protect: folders ``out_dir`` must neither be nor contain (the source).
     Files get the default permissions (the umask's).
     """
+    # 1. the family, the output folder and the weights are checked before anything is written
     fam = family(family_name)
     if fam.hf is None:
         raise ExportError(f"model family {fam.name!r} has no Hugging Face mapping (its Family.hf is None)")
     out_dir = Path(out_dir).resolve()  # "." and "x/.." name their folder, not ""
     _check_out_dir(out_dir, overwrite, tuple(Path(p).resolve() for p in protect))
-    meta = (
-        params.meta
-        if isinstance(params, LazyTensors)
-        else {n: (tuple(t.shape), t.dtype) for n, t in params.items()}
-    )
+    meta = _weights_meta(params)
     _check_params_fit(fam, cfg, meta)
-    # the file's header first: every output tensor's name, dtype and shape, from meta tensors
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    source: dict[str, str] = {}
-    for name, (shape, dt) in meta.items():
-        for key, v in _hf_tensors_of(
-            fam, cfg, name, torch.empty(shape, dtype=dt, device="meta"), dtype
-        ).items():
-            if key in source:
-                raise ValueError(f"{family_name}.to_hf gives {key!r} for both {source[key]!r} and {name!r}")
-            source[key] = name
-            specs.append((key, v.dtype, tuple(v.shape)))
+    # 2. the file's header, the tokenizer's files and the special-token ids
+    specs = _hf_specs(fam, cfg, family_name, meta, dtype)
     longest = fam.sizes(cfg).max_positions or 10**30  # transformers' "no limit" is as large
     files = {} if tokenizer is None else _tokenizer_files(tokenizer, longest)
     token_ids = _token_ids(fam.hf_config(cfg), special_token_ids(tokenizer))
+    # 3. everything written into a new sibling folder, then renamed into place
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")
     old = out_dir.with_name(f".{out_dir.name}.old-{tag}")
     os.mkdir(tmp)  # not mkdtemp: its 0700 would make the export private to this user
     try:
-        with StreamedSafetensors(tmp / "model.safetensors", specs, {"format": "pt"}) as writer:
-            for name in meta:
-                _write_converted(writer, fam, cfg, name, params[name], dtype)
-        os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())
-        config = fam.hf_config(cfg)
-        config["torch_dtype"] = str(specs[0][1]).removeprefix("torch.")
-        config.update(token_ids)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name, contents in files.items():
-            (tmp / name).write_bytes(contents)
+        _write_export(tmp, fam, cfg, params, list(meta), specs, dtype, token_ids, files)
         if out_dir.is_dir() and any(out_dir.iterdir()):
             os.replace(out_dir, old)  # only with overwrite (checked above); removed once tmp is in place
         os.replace(tmp, out_dir)  # onto a missing or empty folder
@@ -289,6 +269,48 @@ def export_hf(
         raise
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _weights_meta(params: Mapping[str, Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the weights to export, without reading a checkpoint's tensors."""
+    if isinstance(params, LazyTensors):
+        return params.meta
+    return {n: (tuple(t.shape), t.dtype) for n, t in params.items()}
+
+
+def _hf_specs(fam: Family, cfg, family_name: str, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+              dtype: torch.dtype | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:  # fmt: skip
+    """The exported file's header: every Hugging Face tensor's (name, dtype, shape), in the order
+    the canonical tensors come, from the family's ``to_hf`` on meta tensors (nothing is read).
+    ValueError when two canonical tensors give the same Hugging Face name."""
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    source: dict[str, str] = {}
+    for name, (shape, dt) in meta.items():
+        for key, v in _hf_tensors_of(
+            fam, cfg, name, torch.empty(shape, dtype=dt, device="meta"), dtype
+        ).items():
+            if key in source:
+                raise ValueError(f"{family_name}.to_hf gives {key!r} for both {source[key]!r} and {name!r}")
+            source[key] = name
+            specs.append((key, v.dtype, tuple(v.shape)))
+    return specs
+
+
+def _write_export(tmp: Path, fam: Family, cfg, params: Mapping[str, Tensor], names: list[str],
+                  specs: list[tuple[str, torch.dtype, tuple[int, ...]]], dtype: torch.dtype | None,
+                  token_ids: Mapping[str, int | None], files: Mapping[str, bytes]) -> None:  # fmt: skip
+    """Write the export's files into ``tmp``: model.safetensors (the canonical tensors ``names``
+    streamed one at a time, in the order of the header ``specs``), config.json, the tokenizer's."""
+    with StreamedSafetensors(tmp / "model.safetensors", specs, {"format": "pt"}) as writer:
+        for name in names:
+            _write_converted(writer, fam, cfg, name, params[name], dtype)
+    os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())
+    config = fam.hf_config(cfg)
+    config["torch_dtype"] = str(specs[0][1]).removeprefix("torch.")
+    config.update(token_ids)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, contents in files.items():
+        (tmp / name).write_bytes(contents)
 
 
 def _family(name: str) -> Family:
@@ -309,8 +331,34 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
     mapping), and every tensor must be one the config implies, at the shape it implies. Any other
     case raises a one-line HFError naming the file and the key or tensor (or the family).
     """
+    # 1. config.json, and the family that reads it
     folder = Path(folder)
     config_path = folder / "config.json"
+    hf = _read_hf_config(config_path)
+    family_name = _reading_family(config_path, hf.get("model_type"), family_name)
+    fam = _family(family_name)
+    _check_model_type(config_path, hf.get("model_type"), family_name, fam)
+    # 2. the files, the config they give and its sizes, before any tensor is read
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    try:
+        cfg = fam.config_from_hf(hf)
+    except ValueError as e:
+        raise HFError(f"{config_path}: {e}") from None
+    check_scale(fam.sizes(cfg), str(config_path))  # before anything walks the layers
+    # 3. the tensors, converted to the family's canonical params
+    tensors = _read_hf_tensors(files)
+    try:
+        return family_name, cfg, fam.from_hf(cfg, tensors)
+    except KeyError as e:
+        raise HFError(f"{folder}: {e.args[0]}") from None
+    except ValueError as e:
+        raise HFError(f"{folder}: {e}") from None
+
+
+def _read_hf_config(config_path: Path) -> dict[str, Any]:
+    """config.json as a dict; FileNotFoundError when missing, HFError when not a JSON object."""
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: no config.json in the Hugging Face folder")
     try:
@@ -319,15 +367,24 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
         raise HFError(f"{config_path}: not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(hf, dict):
         raise HFError(f"{config_path}: not a JSON object")
-    model_type = hf.get("model_type")
-    if family_name is None:
-        if model_type is None:
-            raise HFError(f"{config_path}: no model_type (known families: {sorted(BUILTIN_FAMILIES)})")
-        try:
-            family_name = family_of_model_type(model_type)
-        except HFError as e:
-            raise HFError(f"{config_path}: {e}") from None
-    fam = _family(family_name)
+    return hf
+
+
+def _reading_family(config_path: Path, model_type: str | None, family_name: str | None) -> str:
+    """The name of the family that reads the folder: ``family_name``, or the builtin family of
+    ``model_type`` when None (HFError when there is none)."""
+    if family_name is not None:
+        return family_name
+    if model_type is None:
+        raise HFError(f"{config_path}: no model_type (known families: {sorted(BUILTIN_FAMILIES)})")
+    try:
+        return family_of_model_type(model_type)
+    except HFError as e:
+        raise HFError(f"{config_path}: {e}") from None
+
+
+def _check_model_type(config_path: Path, model_type: str | None, family_name: str, fam: Family) -> None:
+    """HFError when the family has no Hugging Face mapping, or reads another model_type."""
     try:
         mapping = fam.hf_mapping()
     except ValueError as e:
@@ -337,14 +394,11 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
             f"{config_path}: model_type {model_type!r} is not the family asked for, {family_name!r} "
             f"(it reads {mapping.model_type!r})"
         )
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
-    try:
-        cfg = fam.config_from_hf(hf)
-    except ValueError as e:
-        raise HFError(f"{config_path}: {e}") from None
-    check_scale(fam.sizes(cfg), str(config_path))  # before anything walks the layers
+
+
+def _read_hf_tensors(files: list[Path]) -> dict[str, Tensor]:
+    """Every tensor of the folder's *.safetensors files; HFError naming an unreadable file or a
+    tensor two files hold."""
     tensors: dict[str, Tensor] = {}
     for f in files:
         try:
@@ -355,12 +409,7 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
         if twice:
             raise HFError(f"{f}: tensor {twice[0]!r} is also in another *.safetensors file of the folder")
         tensors.update(loaded)
-    try:
-        return family_name, cfg, fam.from_hf(cfg, tensors)
-    except KeyError as e:
-        raise HFError(f"{folder}: {e.args[0]}") from None
-    except ValueError as e:
-        raise HFError(f"{folder}: {e}") from None
+    return tensors
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fmoe import checkpoint, optim
+from fmoe import checkpoint, checkpoint_install, checkpoint_write, optim
 
 
 def _params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def test_crash_inside_the_writer_keeps_the_previous_checkpoint_and_removes_the_p
     tmp_path, monkeypatch
 ):
     first = checkpoint.save(tmp_path, 1, _params(1), {}, {"data_cursor": 1})
-    real = checkpoint._write_tensors
+    real = checkpoint_write._write_tensors
     calls = []
 
     def crashing(path, tensors, metadata):
@@ -64,7 +64,7 @@ def test_crash_inside_the_writer_keeps_the_previous_checkpoint_and_removes_the_p
             raise OSError("disk full")
         real(path, tensors, metadata)
 
-    monkeypatch.setattr(checkpoint, "_write_tensors", crashing)
+    monkeypatch.setattr(checkpoint_write, "_write_tensors", crashing)
     with pytest.raises(checkpoint.CheckpointWriteError, match="step_00000002.*disk full") as err:
         checkpoint.save(tmp_path, 2, _params(2), {}, {"data_cursor": 2})
     assert isinstance(err.value.__cause__, OSError)
@@ -83,7 +83,7 @@ def test_crash_while_replacing_a_step_keeps_the_old_copy(tmp_path, monkeypatch):
             raise OSError("rename failed")
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    monkeypatch.setattr(checkpoint_install.os, "rename", rename)
     with pytest.raises(checkpoint.CheckpointWriteError, match="rename failed"):
         checkpoint.save(tmp_path, 5, _params(2), {}, {"v": "new"})
     monkeypatch.undo()
@@ -209,3 +209,22 @@ def test_shard_canonical_refuses_a_tensor_of_another_shape():
     assert shard_canonical({"w": torch.ones(4, 8)}, infos, build_mesh(1, 1, 1, 1))["w"].shape == (32,)
     with pytest.raises(ValueError, match=r"tensor 'w' has shape \(4, 4\), the model's layout needs \(4, 8\)"):
         shard_canonical({"w": torch.ones(4, 4)}, infos, build_mesh(1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_each_file_records_the_kind_it_holds_from_the_save_not_from_its_name(tmp_path, background):
+    from safetensors import safe_open
+
+    shards = {n: checkpoint.whole(t) for n, t in _params().items()}
+    pending = checkpoint.begin_save(tmp_path, 4, shards, {"step": checkpoint.whole(torch.tensor(1.0))},
+                                    {}, background=background)  # fmt: skip
+    path = pending.finish()
+    for name, kind in ((checkpoint.MODEL, "model"), (checkpoint.OPTIM, "optim")):
+        with safe_open(str(path / name), framework="pt") as f:
+            assert f.metadata() == {"fmoe_step": "4", "fmoe_content": kind}
+    # the kind travels with the pieces: a file named like neither kind still says what it holds
+    pending = checkpoint_write.PendingSave(tmp_path, tmp_path / "x", tmp_path / "tmp", 5, 1, {}, "")
+    pending._write({"weights.safetensors": checkpoint_write.RankFile("model", {"w": torch.ones(2)})})
+    assert pending.error is None
+    with safe_open(str(tmp_path / "tmp" / "weights.safetensors"), framework="pt") as f:
+        assert f.metadata()["fmoe_content"] == "model"

@@ -55,7 +55,8 @@ def _install(hooks: dict) -> None:
     """In a child: wrap fmoe functions to add RNG-drawn gradient noise, SIGKILL this process at the
     n-th call of a named point, send it other signals there (``signal``: [[point, n, name], ...]),
     sleep there (``sleep``: [point, n, seconds]), or fail tensor writes with ENOSPC."""
-    import fmoe.checkpoint as C
+    import fmoe.checkpoint_install as CI
+    import fmoe.checkpoint_write as CW
     import fmoe.optim as O
     import fmoe.parallel as P
     import fmoe.train as T
@@ -90,7 +91,7 @@ def _install(hooks: dict) -> None:
         return out
 
     O.step = opt_step
-    real_write = C._write_tensors
+    real_write = CW._write_tensors
 
     def write_tensors(path, tensors, metadata):
         if hooks.get("enospc"):
@@ -99,21 +100,22 @@ def _install(hooks: dict) -> None:
         real_write(path, tensors, metadata)
         die_at("write")  # after model.safetensors (odd calls) or optim.safetensors (even calls)
 
-    C._write_tensors = write_tensors
-    real_fsync = C._fsync_dir
+    CW._write_tensors = write_tensors
+    real_fsync = CI._fsync_dir
 
     def fsync_dir(path):
         real_fsync(path)
         die_at("fsync_dir")  # odd calls: the temp folder, before its rename; even: after it
 
-    C._fsync_dir = fsync_dir
+    CI._fsync_dir = fsync_dir
     real_rmtree = shutil.rmtree
 
     def rmtree(path, *args, **kwargs):
         die_at("rmtree")  # a checkpoint moved aside to be dropped, not yet deleted
         real_rmtree(path, *args, **kwargs)
 
-    C.shutil = type("shutil", (), {"rmtree": staticmethod(rmtree)})
+    fake_shutil = type("shutil", (), {"rmtree": staticmethod(rmtree)})
+    CI.shutil = CW.shutil = fake_shutil  # every rmtree of a save, a drop and a tidy-up
     real_log = T.MetricsLog.write
 
     def log_write(self, record):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_train import recipe_dict, toml_text
 
-from fmoe import checkpoint, cli
+from fmoe import checkpoint, checkpoint_write, cli
 from fmoe import parallel as P
 from fmoe import recipe as R
 from fmoe.train import train
@@ -198,7 +198,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     d = recipe_dict(tmp_path, dataset, checkpoint={"every": 1, "keep": 2})
     train(R.from_dict(d), stop_after=3)
     before = folder_bytes(tmp_path / "ckpt")
-    real = checkpoint._write_tensors
+    real = checkpoint_write._write_tensors
 
     def full(path, tensors, metadata):
         if path.name == checkpoint.OPTIM:
@@ -206,7 +206,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
             raise OSError(28, "No space left on device", str(path))
         real(path, tensors, metadata)
 
-    monkeypatch.setattr(checkpoint, "_write_tensors", full)
+    monkeypatch.setattr(checkpoint_write, "_write_tensors", full)
     code, err = run_cli(tmp_path, d, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "No space left on device" in err, err
     assert folder_bytes(tmp_path / "ckpt") == before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fmoe import checkpoint, cli
+from fmoe import checkpoint, checkpoint_write, cli
 from fmoe import recipe as R
 from fmoe.train import train
 
@@ -76,13 +76,13 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, dat
     good = checkpoint.latest(recipe.checkpoint.dir)
     assert good is not None
 
-    real_write = checkpoint._write_tensors
+    real_write = checkpoint_write._write_tensors
 
     def failing_write(path, tensors, metadata):
         real_write(path, dict(list(tensors.items())[:1]), metadata)  # a partial file ...
         raise OSError("disk full")  # ... then the writer dies
 
-    monkeypatch.setattr(checkpoint, "_write_tensors", failing_write)
+    monkeypatch.setattr(checkpoint_write, "_write_tensors", failing_write)
     with pytest.raises(Exception, match="disk full"):
         train(recipe)
     monkeypatch.undo()

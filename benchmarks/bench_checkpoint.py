@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import environment
-from fmoe import checkpoint, memory, parallel
+from fmoe import checkpoint, memory, sharding
 from fmoe import dist as D
 from fmoe import train as T
 from fmoe.mesh import build_mesh
@@ -57,7 +57,7 @@ def worker(rank: int, world: int, group, root: str, config: dict) -> dict:
     cfg = qwen3_moe.Qwen3MoeConfig(**config)
     model, shapes = qwen3_moe.build(cfg), qwen3_moe.param_shapes(cfg)
     mesh = build_mesh(1, world, 1, 1)
-    infos = parallel.layout(model, mesh, shapes)
+    infos = sharding.layout(model, mesh, shapes)
     gen = torch.Generator().manual_seed(rank)
     shards = {n: torch.randn(i.shard_numel, generator=gen).to(DTYPE) for n, i in infos.items()}
     state = {"step": torch.tensor(7, dtype=torch.int64)}
@@ -95,7 +95,7 @@ def worker(rank: int, world: int, group, root: str, config: dict) -> dict:
     gathered_dir = Path(root) / "gathered"
 
     def save_gathered():
-        full = parallel.canonical(shards, infos, mesh, list(shapes))
+        full = sharding.canonical(shards, infos, mesh, list(shapes))
         if rank == 0:
             return checkpoint.save(gathered_dir, 1, full, dict(state), {"data_cursor": 0})
         return None
@@ -110,7 +110,7 @@ def worker(rank: int, world: int, group, root: str, config: dict) -> dict:
             checkpoint.verify(box[0])
         dist.barrier()
         full, _, _ = checkpoint.load(box[0], expected_shapes=shapes, check_integrity=False)
-        return parallel.shard_canonical(full, infos, mesh)
+        return sharding.shard_canonical(full, infos, mesh)
 
     seconds, peak, loaded = _measure(load_gathered)
     assert all(torch.equal(loaded[n], shards[n]) for n in shards)

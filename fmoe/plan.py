@@ -3,15 +3,15 @@
 Pure functions from a recipe's model config, parameter shapes, mesh sizes and schedule table to
 bytes; nothing here touches a process group or allocates a tensor. For every rank the plan gives
 
-  params       fp32 master shards (``parallel.layout``'s sharding: experts over dp x cp after ep
+  params       fp32 master shards (``sharding.planned_layout``: experts over dp x cp after ep
                took its share, the rest over dp x cp x ep, each flat tensor padded to its group)
   optimizer    AdamW's two fp32 moments over the same shards
   grads        the gradients the step holds (``WorkingSet.STEP``: this rank's full gradients, in
                the dtype W makes them, plus the fp32 copy ``parallel_step`` makes before its
                reduce-scatter; ``WorkingSet.UNIT``: the fp32 gradient shards)
   gathered     the parameters gathered in the compute dtype (``STEP``: all of this rank's, for the
-               whole step; ``UNIT``: ``parallel.gathered_working_set_bytes``, the gathers per layer
-               or pipeline chunk that ``parallel_step`` makes, replayed, with the full gradients)
+               whole step; ``UNIT``: ``working_set.gathered_working_set_bytes``: the step's own gather
+               plan per layer or pipeline chunk, replayed, with the full gradients)
   activations  the most bytes of saved activations in flight: the schedule's rows walked in order,
                each F adding its (micro-batch, chunk)'s bytes and each W / BW / FB's backward half
                freeing them (the simulator's ``peak_activations`` count, weighted by chunk)
@@ -20,33 +20,56 @@ and the peak those make together (:func:`plan_layout`). :func:`layouts` lists th
 processes the recipe can run on, ranked by the simulator's bubble; ``fmoe plan`` prints them, and
 ``fmoe train`` logs its own layout's plan and refuses one that does not fit before the first step.
 
-Activation bytes per token are formulas in the model's widths (:func:`stage_activation_bytes`),
-calibrated against the saved tensors of each stage's F measured on CPU (tests/test_plan.py). The
-formulas differ per family (MLA, attention sinks, shared experts), so they are keyed by family name
-here: the one place a new family adds a line.
+The activation formulas per family, and their walk over a rank's step, are ``fmoe.plan_activations``;
+this module adds the terms up per layout, searches the layouts, and writes the text ``fmoe plan``
+and ``fmoe train`` print.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fmoe import parallel, pipeline
-from fmoe.expert_parallel import is_expert_param
+from fmoe import pipeline
+from fmoe.gather_plan import per_unit
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
+from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, MicroBatch, rank_activation_peaks
 from fmoe.schedules.generators import generate
 from fmoe.schedules.simulator import simulate
 from fmoe.schedules.table import Schedule, ScheduleError
 from fmoe.schedules.verify import validate
-from fmoe.stages.spec import Model, Stage
+from fmoe.sharding import ShardInfo, planned_layout
+from fmoe.stages.spec import Model
+from fmoe.working_set import gathered_working_set_bytes
+
+__all__ = [
+    "DTYPE_BYTES",
+    "GiB",
+    "LayoutPlan",
+    "RankTerms",
+    "TERMS",
+    "WorkingSet",
+    "candidate_sizes",
+    "device_limit_bytes",
+    "gib",
+    "human",
+    "layout_name",
+    "layouts",
+    "master_bytes",
+    "optimizer_bytes",
+    "plan_layout",
+    "rank_lines",
+    "recipe_working_set",
+    "refusal",
+    "step_grads_bytes",
+    "summary",
+    "table_lines",
+]
 
 GiB = 1 << 30
-FP32 = 4
-INT64 = 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 TERMS = ("params", "grads", "optimizer", "gathered", "activations")
 
@@ -69,281 +92,42 @@ class WorkingSet(enum.Enum):
 # parameters, gradients, optimizer state
 
 
-@dataclass(frozen=True)
-class ParamShard:
-    """How one parameter lies on a rank (the sizes of ``parallel.ShardInfo``, without a process group).
-
-    full_numel: elements of this rank's full (ep-local for experts) tensor; group_size: ranks of its
-    shard group (dp x cp for experts, dp x cp x ep otherwise)."""
-
-    name: str
-    full_numel: int
-    group_size: int
-
-    @property
-    def shard_numel(self) -> int:
-        return -(-self.full_numel // self.group_size)
-
-    @property
-    def padded_numel(self) -> int:
-        """What an all-gather of the shards holds: the shard times the group."""
-        return self.shard_numel * self.group_size
-
-
-def shard_layout(
-    shapes: Mapping[str, Sequence[int]], names: Iterable[str], num_experts: int, dp: int, cp: int, ep: int
-) -> list[ParamShard]:
-    """``parallel.layout``'s sharding of ``names`` by sizes alone: experts split over ep first
-    (dim 0 of ``num_experts``), then every tensor flat over its shard group."""
-    out = []
-    for name in names:
-        shape = tuple(shapes[name])
-        numel = math.prod(shape)
-        if is_expert_param(name):
-            if ep > 1:
-                numel = numel // num_experts * (num_experts // ep)
-            size = dp * cp
-        else:
-            size = dp * cp * ep
-        out.append(ParamShard(name, numel, size))
-    return out
-
-
-def master_bytes(shards: Sequence[ParamShard]) -> int:
+def master_bytes(infos: Mapping[str, ShardInfo]) -> int:
     """fp32 master weights: every shard."""
-    return sum(s.shard_numel for s in shards) * FP32
+    return sum(i.shard_numel for i in infos.values()) * FP32
 
 
-def optimizer_bytes(shards: Sequence[ParamShard]) -> int:
+def optimizer_bytes(infos: Mapping[str, ShardInfo]) -> int:
     """AdamW's exp_avg and exp_avg_sq, fp32, shaped like the shards (its scalars are noise)."""
-    return 2 * sum(s.shard_numel for s in shards) * FP32
+    return 2 * sum(i.shard_numel for i in infos.values()) * FP32
 
 
-def _gathered_bytes(s: ParamShard, compute_bytes: int, uncast: bool) -> int:
-    """Bytes ``parallel.gather_params`` makes for one parameter: a buffer of the padded shards in
+def _gathered_bytes(info: ShardInfo, compute_bytes: int, uncast: bool) -> int:
+    """Bytes ``collectives.gather_params`` makes for one parameter: a buffer of the padded shards in
     the compute dtype (fp32 for a buffer); nothing when the group is one rank and no cast is made
     (the shard itself is used)."""
     element = FP32 if uncast else compute_bytes
-    if s.group_size > 1:
-        return s.padded_numel * element
-    return 0 if element == FP32 else s.full_numel * element
+    if info.size > 1:
+        return info.padded_numel * element
+    return 0 if element == FP32 else info.numel * element
 
 
 def step_grads_bytes(
-    shards: Sequence[ParamShard], compute_bytes: int, dp: int, cp: int, ep: int, buffers
+    infos: Mapping[str, ShardInfo], compute_bytes: int, dp: int, cp: int, ep: int, buffers
 ) -> int:
     """``WorkingSet.STEP``: the full gradients W makes (in the compute dtype; a buffer's in fp32),
     plus the fp32 copy ``parallel_step`` makes of each one it scales or sums over ranks, plus the
     fp32 shards the reduce-scatter returns - all alive together at the end of the step."""
     total = 0
     scale = dp * cp * ep != 1
-    for s in shards:
-        element = FP32 if s.name in buffers else compute_bytes
-        total += s.full_numel * element
-        if element != FP32 and (scale or s.group_size > 1):
-            total += s.full_numel * FP32  # g.float(): the compute-dtype gradient is still referenced
-        if s.group_size > 1:
-            total += s.shard_numel * FP32
+    for name, info in infos.items():
+        element = FP32 if name in buffers else compute_bytes
+        total += info.numel * element
+        if element != FP32 and (scale or info.size > 1):
+            total += info.numel * FP32  # g.float(): the compute-dtype gradient is still referenced
+        if info.size > 1:
+            total += info.shard_numel * FP32
     return total
-
-
-# ------------------------------------------------------------------------------------------------
-# activations
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """What one micro-batch is on one rank: ``sequences`` of ``seq_local`` tokens each (the cp share
-    of ``seq_full``); ``compute_bytes`` per element of the compute dtype; ``device`` "cpu" or "cuda"
-    (attention and loss kernels save different tensors)."""
-
-    sequences: int
-    seq_local: int
-    seq_full: int
-    compute_bytes: int
-    device: str
-
-    @property
-    def tokens(self) -> int:
-        return self.sequences * self.seq_local
-
-
-# the families whose per-stage activation formulas (below) this module has, and the formulas each
-# uses (DeepSeek-V3's attention and experts are DeepSeek-V2's); other families plan no activations
-ACTIVATION_FORMULAS = {
-    "qwen3_moe": "qwen3_moe",
-    "deepseek_v2": "deepseek_v2",
-    "deepseek_v3": "deepseek_v2",
-    "gpt_oss": "gpt_oss",
-}
-
-
-def _attention_bytes(family: str, cfg, mb: MicroBatch, moe: bool, experts: int) -> float:
-    """Saved bytes of one attn stage per micro-batch (norms, projections, rotary, attention, router)."""
-    e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
-    k = cfg.num_experts_per_tok
-    # the router: its input (the post-attention norm's output), logits, top-k weights and ids
-    router = (e * (h + experts + k + 1) + INT64 * k) if moe else 0
-    if family == "deepseek_v2":
-        heads = cfg.num_attention_heads
-        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        q_width = cfg.q_lora_rank or 0
-        per_token = e * (
-            5 * h + 3 + 3 * cfg.kv_lora_rank + 2 * q_width + 2 * heads * qk + 2 * heads * cfg.v_head_dim
-        )
-        # SDPA with a value head dim unlike the query's: CPU runs the math kernel (the score matrix
-        # is saved); CUDA the memory-efficient one (a log-sum-exp per query)
-        scores = mb.sequences * heads * mb.seq_local * mb.seq_full * e if mb.device == "cpu" else 0
-        return t * per_token + t * router + scores
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = cfg.head_dim or h // heads
-    q, kvw = heads * head_dim, kv * head_dim
-    if family == "gpt_oss":
-        # an explicit [s, s] score matrix (attention sinks): softmax probabilities saved in fp32
-        probs = mb.sequences * heads * mb.seq_local * mb.seq_full * FP32
-        return t * (e * (6 * h + 3 * q + 2) + router) + probs
-    # qwen3_moe: q/k RMS norms, then SDPA (flash on CPU and CUDA: a log-sum-exp per query and head)
-    return t * (e * (6 * h + 3 * q + 4 * kvw + 2 * heads + kv + 2) + router)
-
-
-def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
-    """Saved bytes of one mlp stage per micro-batch: routed experts' rows (input, gate/up, the
-    activation's operands) for k slots a token, shared experts, or the dense MLP; plus the routed
-    output rows the stage's Forwarded keeps until B."""
-    e, t, h, k = mb.compute_bytes, mb.tokens, cfg.hidden_size, cfg.num_experts_per_tok
-    if not moe:
-        return t * e * (h + 4 * cfg.intermediate_size)
-    if family == "gpt_oss":  # biased, clamped SwiGLU: more elementwise operands kept
-        routed = k * (e * (h + 7 * cfg.intermediate_size) + INT64)
-    else:
-        routed = k * e * (h + 4 * cfg.moe_intermediate_size)
-    shared = 0
-    if family == "deepseek_v2" and cfg.n_shared_experts:
-        shared = e * (h + 4 * cfg.n_shared_experts * cfg.moe_intermediate_size)
-    return t * (routed + shared + k * e * h)
-
-
-def stage_activation_bytes(
-    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int
-) -> float:
-    """Bytes one stage's F keeps alive for its B, for one micro-batch on one rank.
-
-    family: the recipe's model family; cfg: its config; moe: whether the stage's layer has routed
-    experts; mb: the micro-batch's shape on this rank."""
-    kind = stage.role
-    e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
-    k = getattr(cfg, "num_experts_per_tok", 1)
-    if kind == "embed":
-        return t * INT64
-    if kind == "attn":
-        return _attention_bytes(family, cfg, mb, moe, num_experts)
-    if kind in ("dispatch", "combine"):
-        return t * k * INT64  # the slot order
-    if kind == "mlp":
-        return _mlp_bytes(family, cfg, mb, moe)
-    if kind == "aggregate":
-        return t * e * (k * h + k) if moe else 0
-    if kind == "head":
-        # norm input and output, the logits (CPU: F.cross_entropy's fp32 copy; CUDA: the fused
-        # kernel reads the compute-dtype logits), the labels
-        logits = FP32 if mb.device == "cpu" else e
-        return t * (e * (3 * h + 1) + logits * cfg.vocab_size + INT64)
-    raise ValueError(f"the memory plan has no activation formula for stage {stage.name!r} (role {kind!r})")
-
-
-def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch) -> float:
-    """What a pp = 1 step keeps per micro-batch and MoE layer for the expert weight GEMMs it merges
-    over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
-    gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H])."""
-    inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
-    return mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * (2 * cfg.hidden_size + 3 * inter)
-
-
-def _moe_stages(model: Model) -> set[int]:
-    """Indices of the stages whose layer has routed experts."""
-    _, units, _ = pipeline.layer_units(model)
-    out: set[int] = set()
-    for unit in units:
-        if any(is_expert_param(n) for i in unit for n in model.stages[i].params):
-            out.update(unit)
-    return out
-
-
-def chunk_activation_bytes(
-    family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch
-) -> int:
-    """Saved activation bytes of one micro-batch through the given model stages."""
-    moe = _moe_stages(model)
-    return int(
-        sum(
-            stage_activation_bytes(family, cfg, model.stages[i], i in moe, mb, model.num_experts)
-            for i in stage_indices
-        )
-    )
-
-
-def backward_transient_bytes(
-    family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch
-) -> int:
-    """The largest temporary a chunk's B makes beyond what its F saved: the loss's logits gradient
-    (CPU: ``F.cross_entropy``'s fp32 log-softmax gradient and the logits' gradient; CUDA: the fused
-    kernel's logits gradient in the compute dtype). 0 for a chunk without the head."""
-    if not any(model.stages[i].role == "head" for i in stage_indices):
-        return 0
-    per_logit = 2 * FP32 if mb.device == "cpu" else mb.compute_bytes
-    return mb.tokens * cfg.vocab_size * per_logit
-
-
-@dataclass(frozen=True)
-class ChunkMemory:
-    """One (micro-batch, chunk)'s bytes: activations F saves for B (and B's operands kept for W),
-    the transient its B adds, and the chunk's gradients (made by its first W, held to the step's end)."""
-
-    activations: int
-    transient: int
-    grads: int
-
-
-def pipeline_walk(table: Schedule, rank: int, chunks: Sequence[ChunkMemory]) -> tuple[int, int]:
-    """(most activation bytes rank ``rank`` holds at once, most activation plus gradient bytes).
-
-    Its rows in order: F (and an FB's forward half) adds ``chunks[chunk].activations``; B, BW and an
-    FB's backward half add their transient while they run; W, BW and an FB's backward half free the
-    activations and leave the chunk's gradients. ``simulate``'s ``peak_activations`` weighted by
-    chunk; B keeps W's operands (the taped inputs and output gradients) until W."""
-    live = peak_acts = peak_all = 0
-    made: set[int] = set()
-
-    def note(extra: int) -> None:
-        nonlocal peak_acts, peak_all
-        peak_acts = max(peak_acts, live + extra)
-        peak_all = max(peak_all, live + extra + sum(chunks[c].grads for c in made))
-
-    for a in table.actions[rank]:
-        if a.kind in ("F", "FB"):
-            live += chunks[a.chunk].activations
-            note(0)
-        back = a.b_chunk if a.kind == "FB" else a.chunk
-        if a.kind in ("B", "BW", "FB"):
-            note(chunks[back].transient)
-        if a.kind in ("W", "BW", "FB"):
-            live -= chunks[back].activations
-            made.add(back)
-            note(0)
-    return peak_acts, peak_all
-
-
-def local_step_peaks(
-    one: int, transient: int, expert_keep: int, dense_grads: int, all_grads: int, microbatches: int
-) -> tuple[int, int]:
-    """pp = 1 (``parallel._local_step``): (most activation bytes at once, most activation plus
-    gradient bytes). Micro-batch after micro-batch: F of every stage, B, W - but the expert weight
-    GEMMs wait for the step's end (``merge_later``), keeping ``expert_keep`` bytes per micro-batch.
-    The last micro-batch's B of the head is the activations' peak (the earlier micro-batches' dense
-    gradients exist by then); the step's end, every micro-batch's expert operands and all gradients."""
-    during = one + (microbatches - 1) * expert_keep + transient
-    end = microbatches * expert_keep
-    return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,74 +226,57 @@ def plan_layout(
     pp, dp, cp, ep = sizes
     if working_set is None:
         working_set = recipe_working_set(recipe, sizes)
-    cfg, t = recipe.model, recipe.train
+    t = recipe.train
     if pp > 1 and table is None:
         table = _table(recipe, pp)
-    e = DTYPE_BYTES[t.dtype]
-    buffers = frozenset(model.buffers)
     seqs = t.global_batch // (dp * ep) // t.microbatches
-    mb = MicroBatch(seqs, recipe.data.seq_len // cp, recipe.data.seq_len, e, device)
+    mb = MicroBatch(seqs, recipe.data.seq_len // cp, recipe.data.seq_len, DTYPE_BYTES[t.dtype], device)
     bubble = max(simulate(table).bubble) if table is not None else 0.0
-    terms = []
-    for r in range(pp):
-        names = pipeline.local_param_names(model, table, rank=r) if table is not None else list(shapes)
-        shards = shard_layout(shapes, names, model.num_experts, dp, cp, ep)
-        params, opt = master_bytes(shards), optimizer_bytes(shards)
-        fam, w_bytes = (
-            ACTIVATION_FORMULAS.get(recipe.model_family),
-            {s.name: s.full_numel * (FP32 if s.name in buffers else e) for s in shards},
-        )
-        if fam is None:
-            acts = acts_and_grads = 0
-        elif table is not None:
-            smap = pipeline.schedule_stage_map(model, table)
-            chunks = []
-            for c in range(table.chunks):
-                idx = smap[(r, c)]
-                names_c = {n for i in idx for n in model.stages[i].params}
-                chunks.append(ChunkMemory(chunk_activation_bytes(fam, cfg, model, idx, mb),
-                                          backward_transient_bytes(fam, cfg, model, idx, mb),
-                                          sum(w_bytes[n] for n in names_c)))  # fmt: skip
-            acts, acts_and_grads = pipeline_walk(table, r, chunks)
-        else:
-            every = range(len(model.stages))
-            moe_stages = _moe_stages(model)  # once: asked per layer it made the plan quadratic
-            moe_layers = sum(1 for u in pipeline.layer_units(model)[1] if set(u) & moe_stages)
-            acts, acts_and_grads = local_step_peaks(
-                chunk_activation_bytes(fam, cfg, model, every, mb),
-                backward_transient_bytes(fam, cfg, model, every, mb),
-                moe_layers * int(expert_weight_grad_bytes(fam, cfg, mb)),
-                sum(b for n, b in w_bytes.items() if not is_expert_param(n)),
-                sum(w_bytes.values()),
-                t.microbatches,
-            )
-        if working_set is WorkingSet.STEP:
-            gathered = sum(_gathered_bytes(s, e, s.name in buffers) for s in shards)
-            grads = step_grads_bytes(shards, e, dp, cp, ep, buffers)
-            peak = params + opt + max(gathered + acts_and_grads, grads)
-        else:
-            coords = {**dict.fromkeys(DIMS, 0), "pp": r}
-            gathered = parallel.gathered_working_set_bytes(
-                model, Mesh(pp, dp, cp, ep, rank=r * dp * cp * ep, coords=coords), shapes, names,
-                None if t.dtype == "float32" else torch.bfloat16, num_microbatches=t.microbatches,
-                schedule=table if pp > 1 else None,
-            )  # fmt: skip
-            grads = sum(s.shard_numel for s in shards) * FP32
-            peak = params + opt + grads + gathered + acts
-        rank0 = r * dp * cp * ep
-        terms.append(RankTerms(rank0, (r, 0, 0, 0), params, grads, opt, gathered, acts, peak))
+    terms = tuple(_rank_terms(recipe, model, shapes, sizes, table, r, mb, working_set) for r in range(pp))
     name = "-" if table is None else (recipe.parallel.schedule if pp > 1 else "-")
     planned = recipe.model_family in ACTIVATION_FORMULAS
-    return LayoutPlan(pp, dp, cp, ep, name, bubble, tuple(terms), activations_planned=planned)
+    return LayoutPlan(pp, dp, cp, ep, name, bubble, terms, activations_planned=planned)
+
+
+def _rank_terms(
+    recipe, model: Model, shapes: Mapping[str, Sequence[int]], sizes: tuple[int, int, int, int],
+    table: Schedule | None, r: int, mb: MicroBatch, working_set: WorkingSet,
+) -> RankTerms:  # fmt: skip
+    """The terms of pipeline rank ``r`` (its dp = cp = ep = 0 member: every member holds the same)."""
+    pp, dp, cp, ep = sizes
+    t, e, buffers = recipe.train, mb.compute_bytes, frozenset(model.buffers)
+    mesh = Mesh(pp, dp, cp, ep, rank=r * dp * cp * ep, coords={**dict.fromkeys(DIMS, 0), "pp": r})
+    names = pipeline.local_param_names(model, table, rank=r) if table is not None else list(shapes)
+    infos = planned_layout(model, mesh, shapes, names)
+    params, opt = master_bytes(infos), optimizer_bytes(infos)
+    family = ACTIVATION_FORMULAS.get(recipe.model_family)
+    acts = acts_and_grads = 0
+    if family is not None:
+        w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
+        acts, acts_and_grads = rank_activation_peaks(
+            family, recipe.model, model, table, r, mb, w_bytes, t.microbatches
+        )
+    if working_set is WorkingSet.STEP:
+        gathered = sum(_gathered_bytes(i, e, n in buffers) for n, i in infos.items())
+        grads = step_grads_bytes(infos, e, dp, cp, ep, buffers)
+        peak = params + opt + max(gathered + acts_and_grads, grads)
+    else:
+        gathered = gathered_working_set_bytes(
+            model, mesh, shapes, names, None if t.dtype == "float32" else torch.bfloat16,
+            num_microbatches=t.microbatches, schedule=table if pp > 1 else None,
+        )  # fmt: skip
+        grads = sum(i.shard_numel for i in infos.values()) * FP32
+        peak = params + opt + grads + gathered + acts
+    return RankTerms(mesh.rank, (r, 0, 0, 0), params, grads, opt, gathered, acts, peak)
 
 
 def recipe_working_set(recipe, sizes: tuple[int, int, int, int]) -> WorkingSet:
     """The gathers ``parallel_step`` does for this recipe on these sizes: per unit
     (``parallel.gather = "chunk"``) where some parameter is sharded (dp x cp x ep > 1) and FP8 is
-    off, else once for the step."""
+    off, else once for the step (``gather_plan.per_unit``, the step's own test)."""
     _, dp, cp, ep = sizes
-    per_unit = recipe.parallel.gather == "chunk" and not recipe.train.fp8 and dp * cp * ep > 1
-    return WorkingSet.UNIT if per_unit else WorkingSet.STEP
+    unit = per_unit(recipe.parallel.gather, recipe.train.fp8, sharded=dp * cp * ep > 1)
+    return WorkingSet.UNIT if unit else WorkingSet.STEP
 
 
 def candidate_sizes(

@@ -48,7 +48,6 @@ from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline
 from fmoe import dist as D
 from fmoe import plan as memory_plan
 from fmoe.check import check_family
-from fmoe.expert_parallel import expert_range, is_expert_param
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.preemption import StopSignals
@@ -56,6 +55,7 @@ from fmoe.recipe import Recipe, RecipeError
 from fmoe.schedules.generators import generate
 from fmoe.schedules.table import read_csv
 from fmoe.schedules.verify import validate
+from fmoe.sharding import shard_range
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
 
@@ -368,23 +368,11 @@ def _schedule(recipe: Recipe, mesh):
     return table
 
 
-def _shard_range(name: str, info: parallel.ShardInfo, mesh, shape) -> tuple[int, int]:
-    """[start, stop): the elements of canonical tensor ``name`` (flattened) that this rank's flat
-    shard holds, its padding excluded. Experts: this ep rank's experts are rows [lo, hi) of the
-    canonical tensor, so its ep-local tensor is the flat range from lo x (elements per expert)."""
-    base = 0
-    if is_expert_param(name) and mesh.ep > 1:
-        lo, _ = expert_range(shape[0], mesh.ep, mesh.coords["ep"])
-        base = lo * math.prod(shape[1:])
-    first = min(info.index * info.shard_numel, info.numel)
-    return base + first, base + min(first + info.shard_numel, info.numel)
-
-
 def _checkpoint_shards(tensors, infos, mesh, shapes) -> dict[str, checkpoint.Shard]:
     """{name: Shard} of this rank's flat shards (params, or one optimizer moment keyed by param name)."""
     out = {}
     for name, t in tensors.items():
-        start, stop = _shard_range(name, infos[name], mesh, shapes[name])
+        start, stop = shard_range(name, infos[name], mesh, shapes[name])
         out[name] = checkpoint.Shard(t.detach()[: stop - start], start, tuple(shapes[name]))
     return out
 
@@ -406,7 +394,7 @@ def _read_shard(
     ck: checkpoint.Checkpoint, kind: str, key: str, name: str, info, mesh, shape, device
 ) -> Tensor:
     """This rank's flat shard (padded with zeros) of ``key`` read from ``ck``: only its own range."""
-    start, stop = _shard_range(name, info, mesh, shape)
+    start, stop = shard_range(name, info, mesh, shape)
     flat = torch.zeros(info.shard_numel, dtype=ck.entries[kind][key].dtype)
     ck.read(kind, key, start, stop, out=flat)
     return flat.to(device)

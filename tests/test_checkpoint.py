@@ -203,7 +203,7 @@ def test_shapes_that_differ_from_the_expected_ones_are_named(tmp_path):
 
 def test_shard_canonical_refuses_a_tensor_of_another_shape():
     from fmoe.mesh import build_mesh
-    from fmoe.parallel import ShardInfo, shard_canonical
+    from fmoe.sharding import ShardInfo, shard_canonical
 
     infos = {"w": ShardInfo((4, 8), "dp_cp_ep", 1, 0)}
     assert shard_canonical({"w": torch.ones(4, 8)}, infos, build_mesh(1, 1, 1, 1))["w"].shape == (32,)

@@ -14,7 +14,7 @@ import torch
 from conftest import random_batch, relative_error
 from test_deepseek_v2 import YARN, stage_cases
 
-from fmoe import data, hf, parallel, pipeline, recipe, runner
+from fmoe import data, hf, parallel, pipeline, recipe, runner, sharding
 from fmoe import dist as dist_helpers
 from fmoe import stage as S
 from fmoe.stages import deepseek_v3 as D
@@ -264,12 +264,12 @@ def _pp_ep_worker(rank, world, group, cfg, params, batch, microbatches):
     mesh = build_mesh(2, 1, 1, 2)
     schedule = generate("dualpipev", 2, microbatches)
     shapes = D.param_shapes(cfg)
-    infos = parallel.layout(
+    infos = sharding.layout(
         model, mesh, shapes, pipeline.local_param_names(model, schedule, rank=mesh.coords["pp"])
     )
-    shards = parallel.shard_canonical(params, infos, mesh)
+    shards = sharding.shard_canonical(params, infos, mesh)
     out = parallel.parallel_step(model, shards, infos, batch, microbatches, mesh, schedule=schedule)
-    return {"loss": out.loss, "grads": parallel.canonical(out.grad_shards, infos, mesh, list(shapes)),
+    return {"loss": out.loss, "grads": sharding.canonical(out.grad_shards, infos, mesh, list(shapes)),
             "statistics": out.statistics}  # fmt: skip
 
 

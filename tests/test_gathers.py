@@ -3,7 +3,7 @@
 The per-unit step gathers a layer's (pp = 1) or a pipeline chunk's (pp > 1) parameters just before
 their use and reduces each gradient as soon as it is final; it runs the same arithmetic as the
 whole-step gather, so its loss and gradient shards are bitwise the same, and its measured peak is
-below the whole-step one by the factor ``parallel.gathered_working_set_bytes`` predicts.
+below the whole-step one by the factor ``working_set.gathered_working_set_bytes`` predicts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from conftest import random_batch, tiny_config
 
 from fmoe import dist as D
-from fmoe import memory, parallel, pipeline
+from fmoe import gather_plan, memory, parallel, pipeline, sharding, working_set
 from fmoe.mesh import build_mesh
 from fmoe.schedules.generators import generate
 from fmoe.stages import qwen3_moe
@@ -36,19 +36,32 @@ def equivalence_worker(rank, world, group, sizes, schedule_name, microbatches, d
     shapes = qwen3_moe.param_shapes(cfg)
     schedule = generate(schedule_name, pp, microbatches) if pp > 1 else None
     names = pipeline.local_param_names(model, schedule, rank=mesh.coords["pp"]) if pp > 1 else list(shapes)
-    infos = parallel.layout(model, mesh, shapes, names)
-    shards = parallel.shard_canonical(model.init(seed=3), infos, mesh)
+    infos = sharding.layout(model, mesh, shapes, names)
+    shards = sharding.shard_canonical(model.init(seed=3), infos, mesh)
     out = {}
     for gather in ("step", "chunk"):
         loss, grads, stats = _step(model, shards, infos, batch, microbatches, mesh, schedule, dtype, gather)
         out[gather] = (loss, grads, stats)
     (l_step, g_step, s_step), (l_chunk, g_chunk, s_chunk) = out["step"], out["chunk"]
+    # a trainer makes the plan once and passes it: the step then makes none of its own
+    plan = gather_plan.step_gather_plan(model, mesh, microbatches, schedule)
+    made_here = parallel.step_gather_plan
+    parallel.step_gather_plan = None  # calling it would raise a TypeError
+    try:
+        given = parallel.parallel_step(model, shards, infos, batch, microbatches, mesh, schedule=schedule,
+                                       dtype=dtype, plan=plan)  # fmt: skip
+    finally:
+        parallel.step_gather_plan = made_here
     return {
-        "loss_equal": torch.equal(l_step, l_chunk),
-        "unequal_grads": [n for n in g_step if not torch.equal(g_step[n], g_chunk[n])],
+        "loss_equal": torch.equal(l_step, l_chunk) and torch.equal(l_step, given.loss),
+        "unequal_grads": [
+            n
+            for n in g_step
+            if not (torch.equal(g_step[n], g_chunk[n]) and torch.equal(g_step[n], given.grad_shards[n]))
+        ],
         "same_names": list(g_step) == list(g_chunk) == list(infos),
         "stats_equal": all(torch.equal(s_step[k], s_chunk[k]) for k in s_step),
-        "planned_layout": parallel.planned_layout(model, mesh, shapes, names) == infos,
+        "planned_layout": sharding.planned_layout(model, mesh, shapes, names) == infos,
     }
 
 
@@ -89,15 +102,15 @@ def memory_worker(rank, world, group, microbatches):
     batch = random_batch(cfg, world * microbatches, 16, seed=1)
     mesh = build_mesh(1, world, 1, 1)
     shapes = qwen3_moe.param_shapes(cfg)
-    infos = parallel.layout(model, mesh, shapes, list(shapes))
-    shards = parallel.shard_canonical(model.init(seed=3), infos, mesh)
+    infos = sharding.layout(model, mesh, shapes, list(shapes))
+    shards = sharding.shard_canonical(model.init(seed=3), infos, mesh)
     measured, predicted = {}, {}
     for gather in ("step", "chunk", "step", "chunk"):  # the first two warm up (thread pools, gloo)
         base = memory.reset_peak(CPU)
         result = _step(model, shards, infos, batch, microbatches, mesh, None, None, gather)
         measured[gather] = memory.peak_bytes(CPU) - base
         del result
-        predicted[gather] = parallel.gathered_working_set_bytes(
+        predicted[gather] = working_set.gathered_working_set_bytes(
             model,
             mesh,
             shapes,
@@ -138,7 +151,7 @@ def test_a_regathered_parameter_is_never_fetched_while_its_copy_is_alive():
     # steps read units a, b, a+b, a (a layer's F, the next one's, a step using both, the first again)
     uses = [{"a"}, {"b"}, {"a", "b"}, {"b"}, {"a"}]
     w_uses = [set(), set(), set(), {"b"}, {"a"}]
-    plan = parallel.gather_plan(uses, w_uses, regather=True)
+    plan = gather_plan.gather_plan(uses, w_uses, regather=True)
     alive: set[str] = set()
     for k in range(plan.num_steps):
         for n in plan.fetch_at.get(k, ()):
@@ -149,9 +162,36 @@ def test_a_regathered_parameter_is_never_fetched_while_its_copy_is_alive():
         alive -= set(plan.free_at.get(k, ()))
     assert not alive
     assert plan.take_at == {3: ("b",), 4: ("a",)}
-    kept = parallel.gather_plan(uses, w_uses, regather=False, keep={"b"})
+    kept = gather_plan.gather_plan(uses, w_uses, regather=False, keep={"b"})
     assert kept.fetch_at == {0: ("a", "b")} and kept.free_at == {3: ("b",), 4: ("a",)}
     assert kept.take_at == {4: ("a",)}
+
+
+def test_the_predicted_working_set_is_the_replay_of_the_plan_the_step_runs(monkeypatch):
+    # the memory model reads the step's own plan (``step_gather_plan``), not a policy of its own:
+    # handed a plan that keeps every parameter gathered from its first use to its last, it
+    # predicts at least every gathered copy at once
+    from fmoe.mesh import Mesh
+
+    cfg = tiny_config(num_hidden_layers=6, hidden_size=64, moe_intermediate_size=32, head_dim=16)
+    model, shapes = qwen3_moe.build(cfg), qwen3_moe.param_shapes(cfg)
+    mesh = Mesh(1, 2, 1, 1, rank=0, coords={"pp": 0, "dp": 0, "cp": 0, "ep": 0})
+
+    def predicted() -> int:
+        return working_set.gathered_working_set_bytes(
+            model, mesh, shapes, list(shapes), None, num_microbatches=4
+        )
+
+    def kept(model, mesh, num_microbatches, schedule=None):
+        uses, w_uses, keep = gather_plan.unit_uses(model, num_microbatches, None, 0)
+        return gather_plan.gather_plan(uses, w_uses, regather=False, keep=keep)
+
+    per_use = predicted()
+    monkeypatch.setattr(working_set, "step_gather_plan", kept)
+    every_copy = sum(
+        i.padded_numel * 4 for i in sharding.planned_layout(model, mesh, shapes, list(shapes)).values()
+    )
+    assert per_use < every_copy <= predicted(), (per_use, every_copy)
 
 
 def test_the_predicted_working_set_is_the_whole_steps_at_most_and_under_half_for_one_pipeline_rank():
@@ -167,7 +207,7 @@ def test_the_predicted_working_set_is_the_whole_steps_at_most_and_under_half_for
             names = pipeline.local_param_names(model, schedule, rank=r) if pp > 1 else list(shapes)
             for dtype in (None, torch.bfloat16):
                 size = {
-                    g: parallel.gathered_working_set_bytes(
+                    g: working_set.gathered_working_set_bytes(
                         model, mesh, shapes, names, dtype, num_microbatches=4, schedule=schedule, gather=g
                     )
                     for g in ("step", "chunk")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import random_batch, relative_error, tiny_config
 
+from fmoe import collectives, optim, parallel, pipeline, runner, sharding
 from fmoe import dist as D
-from fmoe import optim, parallel, pipeline, runner
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.schedules.generators import generate
 from fmoe.stages import qwen3_moe
@@ -29,7 +29,7 @@ def setup(sizes):
 def make_tx(shapes):
     mask = {n: len(s) >= 2 for n, s in shapes.items()}
     return optim.chain(
-        optim.clip_by_global_norm(1.0, sq_norm_reduce=parallel.world_sq_norm),
+        optim.clip_by_global_norm(1.0, sq_norm_reduce=collectives.world_sq_norm),
         optim.adamw(1e-3, 0.9, 0.95, 1e-8, 0.1, mask=mask),
     )
 
@@ -41,9 +41,9 @@ def mesh_worker(rank, world, group, sizes):
     shapes = qwen3_moe.param_shapes(cfg)
     schedule = generate("1f1b", pp, MICROBATCHES) if pp > 1 else None
     names = pipeline.local_param_names(model, schedule, rank=mesh.coords["pp"]) if pp > 1 else list(shapes)
-    infos = parallel.layout(model, mesh, shapes, names)
+    infos = sharding.layout(model, mesh, shapes, names)
     full = model.init(seed=3)
-    shards = parallel.shard_canonical(full, infos, mesh)
+    shards = sharding.shard_canonical(full, infos, mesh)
     tx = make_tx({n: shapes[n] for n in names})
     state = tx.init(shards)
     losses, first_grads = [], None
@@ -52,10 +52,10 @@ def mesh_worker(rank, world, group, sizes):
             model, shards, infos, batch, MICROBATCHES, mesh, schedule=schedule, seed=step
         )
         if step == 0:
-            first_grads = parallel.canonical(grad_shards, infos, mesh, list(shapes))
+            first_grads = sharding.canonical(grad_shards, infos, mesh, list(shapes))
         losses.append(loss)
         shards, state = optim.step(tx, grad_shards, state, shards)
-    final = parallel.canonical(shards, infos, mesh, list(shapes))
+    final = sharding.canonical(shards, infos, mesh, list(shapes))
     shard_numels = {n: shards[n].numel() for n in shards}
     expected = {n: infos[n].shard_numel for n in infos}
     return {"losses": losses, "grads": first_grads, "params": final, "numels": shard_numels, "expected": expected,
@@ -124,16 +124,16 @@ def test_one_rank_step_hands_compute_dtype_grads_to_the_optimizer():
     cfg, model, batch = setup((1, 1, 1, 1))
     mesh = build_mesh(1, 1, 1, 1)
     shapes = qwen3_moe.param_shapes(cfg)
-    infos = parallel.layout(model, mesh, shapes, list(shapes))
+    infos = sharding.layout(model, mesh, shapes, list(shapes))
     full = model.init(seed=3)
-    shards = parallel.shard_canonical(full, infos, mesh)
+    shards = sharding.shard_canonical(full, infos, mesh)
     loss, grad_shards, _ = parallel.parallel_step(
         model, shards, infos, batch, MICROBATCHES, mesh, dtype=torch.bfloat16, seed=0
     )
     assert {g.dtype for g in grad_shards.values()} == {torch.bfloat16}
     bf16 = {n: p.to(torch.bfloat16) for n, p in full.items()}
     ref = runner.run_sequential(model, bf16, batch, MICROBATCHES, seed=0)
-    grads = parallel.canonical(grad_shards, infos, mesh, list(shapes))
+    grads = sharding.canonical(grad_shards, infos, mesh, list(shapes))
     for n in shapes:
         assert torch.equal(grads[n], ref.grads[n]), n
     state = make_tx(shapes).init(shards)

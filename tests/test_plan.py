@@ -1,5 +1,5 @@
 """The memory plan (``fmoe plan``, fmoe/plan.py): its figures against measured peaks, its activation
-formulas against the tensors each stage's F saves, its sharding against ``parallel.layout``, and
+formulas against the tensors each stage's F saves, its sharding against ``sharding.layout``, and
 the refusal of a recipe that cannot fit."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fmoe import memory, parallel, pipeline, plan
+from fmoe import memory, parallel, pipeline, plan, plan_activations, sharding
 from fmoe import recipe as R
 from fmoe.hf import family as family_module
 
@@ -62,9 +62,9 @@ def measure_layout(overrides: dict) -> dict:
         if table is not None
         else list(shapes)
     )
-    infos = parallel.layout(model, mesh, shapes, names)
+    infos = sharding.layout(model, mesh, shapes, names)
     full = model.init(seed=0, dtype=torch.float32)
-    shards = parallel.shard_canonical(full, infos, mesh)
+    shards = sharding.shard_canonical(full, infos, mesh)
     del full
     tx, _ = T.make_optimizer(recipe, shapes)
     state = tx.init(shards)
@@ -172,8 +172,8 @@ def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
     param_storages = {t.untyped_storage().data_ptr() for t in params.values()}
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     batch = runner.with_positions({"tokens": tokens, "labels": tokens})
-    mb = plan.MicroBatch(sequences=2, seq_local=64, seq_full=64, compute_bytes=4, device="cpu")
-    moe = plan._moe_stages(model)
+    mb = plan_activations.MicroBatch(sequences=2, seq_local=64, seq_full=64, compute_bytes=4, device="cpu")
+    moe = plan_activations.moe_stages(model)
     carry: tuple = ()
     out = []
     for i, stage in enumerate(model.stages):
@@ -188,7 +188,7 @@ def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outputs, _ = S.forward(stage, params, runner.stage_inputs(stage, carry, batch), StageContext())
         carry, _ = runner.split_outputs(stage, outputs)
-        planned = plan.stage_activation_bytes(
+        planned = plan_activations.stage_activation_bytes(
             recipe.model_family, cfg, stage, i in moe, mb, model.num_experts
         )
         if stage.role == "mlp" and i in moe:
@@ -243,9 +243,12 @@ def test_the_pipeline_walk_weights_the_simulators_in_flight_count():
     for name in ("1f1b", "zb-h1", "dualpipev"):
         table = generate(name, 4, 8)
         sim = simulate(table)
-        chunks = [plan.ChunkMemory(activations=1000, transient=0, grads=0)] * table.chunks
+        chunks = [plan_activations.ChunkMemory(activations=1000, transient=0, grads=0)] * table.chunks
         for r in range(4):
-            assert plan.pipeline_walk(table, r, chunks)[0] == 1000 * sim.peak_activations[r], (name, r)
+            assert plan_activations.pipeline_walk(table, r, chunks)[0] == 1000 * sim.peak_activations[r], (
+                name,
+                r,
+            )
 
 
 def test_the_refusal_names_the_fullest_rank_and_its_largest_term():

@@ -7,7 +7,7 @@ import torch
 from conftest import random_batch, tiny_config
 from test_train import recipe_dict
 
-from fmoe import checkpoint, parallel, pipeline, runner
+from fmoe import checkpoint, parallel, pipeline, runner, sharding
 from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe.mesh import build_mesh
@@ -52,20 +52,20 @@ def _one_step(sizes):
     shapes = qwen3_moe.param_shapes(cfg)
     schedule = generate("1f1b", pp, 2) if pp > 1 else None
     names = pipeline.local_param_names(model, schedule, rank=mesh.coords["pp"]) if pp > 1 else list(shapes)
-    infos = parallel.layout(model, mesh, shapes, names)
+    infos = sharding.layout(model, mesh, shapes, names)
     full = model.init(seed=3)
     # a deliberately uneven start, so the update is not the same for every expert
     for name in bias_names(cfg):
         full[name] = torch.linspace(-0.01, 0.01, cfg.num_experts)
-    shards = parallel.shard_canonical(full, infos, mesh)
+    shards = sharding.shard_canonical(full, infos, mesh)
     batch = random_batch(cfg, 8, 8, seed=5)
     out = parallel.parallel_step(model, shards, infos, batch, 2, mesh, schedule=schedule)
     # this rank's own loads, counted by the sequential runner on exactly the rows it ran
     local = runner.run_sequential(model, full, parallel.local_batch(batch, mesh), 2).statistics
     if pp > 1:  # a pipeline rank runs only its own layers
         local = {n: v for n, v in local.items() if n in infos}
-    shards = parallel.add_to_shards(shards, model.buffer_updates(out.statistics), infos, mesh)
-    final = parallel.canonical(shards, infos, mesh, list(shapes))
+    shards = sharding.add_to_shards(shards, model.buffer_updates(out.statistics), infos, mesh)
+    final = sharding.canonical(shards, infos, mesh, list(shapes))
     return {"statistics": out.statistics, "local": local, "bias": final and {n: final[n] for n in bias_names(cfg)},
             "start": {n: full[n] for n in bias_names(cfg)}}  # fmt: skip
 
@@ -168,7 +168,7 @@ def test_a_bf16_step_routes_with_the_float32_bias():
     assert model.buffers == tuple(bias_names(cfg))
     mesh = build_mesh(1, 1, 1, 1)
     shapes = qwen3_moe.param_shapes(cfg)
-    infos = parallel.layout(model, mesh, shapes, list(shapes))
+    infos = sharding.layout(model, mesh, shapes, list(shapes))
     full = model.init(seed=3)
     # a zero gate makes every expert's probability exactly 1/8: the bias alone picks the top 2.
     # bf16 spacing at 0.5 is 2^-8 ~ 0.0039: all eight values below round to 0.5 there
@@ -177,7 +177,7 @@ def test_a_bf16_step_routes_with_the_float32_bias():
             shapes[name] + (cfg.hidden_size,)
         )
         full[name] = torch.tensor([0.5010, 0.5004, 0.5012, 0.5008, 0.5006, 0.5002, 0.5019, 0.5015])
-    shards = parallel.shard_canonical(full, infos, mesh)
+    shards = sharding.shard_canonical(full, infos, mesh)
     batch = random_batch(cfg, 4, 8, seed=2)
     out = parallel.parallel_step(model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16)
     for name in bias_names(cfg):

@@ -13,7 +13,7 @@ import torch
 from conftest import relative_error, tiny_config
 from test_train import recipe_dict
 
-from fmoe import checkpoint, memory, optim, parallel
+from fmoe import checkpoint, memory, optim, sharding
 from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe import train as T
@@ -95,8 +95,8 @@ def _tiny_save(root: Path, mesh, nan: bool):
     with ``nan``, rank 1's piece of the final norm is NaN."""
     cfg = tiny_config()
     model, shapes = qwen3_moe.build(cfg), qwen3_moe.param_shapes(cfg)
-    infos = parallel.layout(model, mesh, shapes)
-    shards = parallel.shard_canonical(model.init(seed=0, dtype=torch.float32), infos, mesh)
+    infos = sharding.layout(model, mesh, shapes)
+    shards = sharding.shard_canonical(model.init(seed=0, dtype=torch.float32), infos, mesh)
     if nan and mesh.rank == 1:
         shards["model.norm.weight"] = torch.full_like(shards["model.norm.weight"], float("nan"))
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
@@ -119,7 +119,7 @@ def _memory(root: Path, mesh) -> dict:
     cpu = torch.device("cpu")
     cfg = tiny_config(**BIG)
     model, shapes = qwen3_moe.build(cfg), qwen3_moe.param_shapes(cfg)
-    infos = parallel.layout(model, mesh, shapes)
+    infos = sharding.layout(model, mesh, shapes)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
     gen = torch.Generator().manual_seed(mesh.rank)
     shards = {n: torch.randn(i.shard_numel, generator=gen) for n, i in infos.items()}
@@ -342,7 +342,7 @@ def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path,
 def test_shard_range_is_the_slice_of_the_canonical_tensor_that_shard_canonical_takes():
     from fmoe.expert_parallel import is_expert_param
     from fmoe.mesh import Mesh
-    from fmoe.parallel import ShardInfo
+    from fmoe.sharding import ShardInfo, shard_range
 
     gen = torch.Generator().manual_seed(0)
     full = {"model.layers.0.mlp.experts.down_proj": torch.randn(8, 3, 5, generator=gen),
@@ -357,8 +357,8 @@ def test_shard_range_is_the_slice_of_the_canonical_tensor_that_shard_canonical_t
                         infos[n] = ShardInfo((t.shape[0] // ep, *t.shape[1:]), "dp_cp", dp, d)
                     else:  # split over dp x cp x ep, ep innermost
                         infos[n] = ShardInfo(tuple(t.shape), "dp_cp_ep", dp * ep, d * ep + e)
-                shards = parallel.shard_canonical(full, infos, mesh)
+                shards = sharding.shard_canonical(full, infos, mesh)
                 for n, t in full.items():
-                    a, b = T._shard_range(n, infos[n], mesh, t.shape)
+                    a, b = shard_range(n, infos[n], mesh, t.shape)
                     assert torch.equal(shards[n][: b - a], t.reshape(-1)[a:b]), (n, dp, ep, d, e)
                     assert not shards[n][b - a :].any(), (n, dp, ep, d, e)  # the rest is padding

@@ -1,0 +1,262 @@
+"""The activation terms of the memory plan (``fmoe plan``): the bytes each stage's F saves for its B,
+and their peak over a rank's step.
+
+Activation bytes per token are formulas in the model's widths (:func:`stage_activation_bytes`),
+calibrated against the saved tensors of each stage's F measured on CPU (tests/test_plan.py). The
+formulas differ per family (MLA, attention sinks, shared experts), so they are keyed by family name
+here (``ACTIVATION_FORMULAS``): the one place a new family adds a line. A rank's peak is its
+schedule's rows walked in order (:func:`pipeline_walk`, pp > 1) or the micro-batch executor's order
+(:func:`local_step_peaks`, pp = 1); :func:`rank_activation_peaks` picks the one a rank runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fmoe import pipeline
+from fmoe.expert_parallel import is_expert_param
+from fmoe.schedules.table import Schedule
+from fmoe.stages.spec import Model, Stage
+
+__all__ = [
+    "ACTIVATION_FORMULAS",
+    "ChunkMemory",
+    "MicroBatch",
+    "backward_transient_bytes",
+    "chunk_activation_bytes",
+    "expert_weight_grad_bytes",
+    "local_step_peaks",
+    "moe_stages",
+    "pipeline_walk",
+    "rank_activation_peaks",
+    "stage_activation_bytes",
+]
+
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one micro-batch is on one rank: ``sequences`` of ``seq_local`` tokens each (the cp share
+    of ``seq_full``); ``compute_bytes`` per element of the compute dtype; ``device`` "cpu" or "cuda"
+    (attention and loss kernels save different tensors)."""
+
+    sequences: int
+    seq_local: int
+    seq_full: int
+    compute_bytes: int
+    device: str
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.seq_local
+
+
+# the families whose per-stage activation formulas (below) this module has, and the formulas each
+# uses (DeepSeek-V3's attention and experts are DeepSeek-V2's); other families plan no activations
+ACTIVATION_FORMULAS = {
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v2",
+    "gpt_oss": "gpt_oss",
+}
+
+
+def _attention_bytes(family: str, cfg, mb: MicroBatch, moe: bool, experts: int) -> float:
+    """Saved bytes of one attn stage per micro-batch (norms, projections, rotary, attention, router)."""
+    e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
+    k = cfg.num_experts_per_tok
+    # the router: its input (the post-attention norm's output), logits, top-k weights and ids
+    router = (e * (h + experts + k + 1) + INT64 * k) if moe else 0
+    if family == "deepseek_v2":
+        heads = cfg.num_attention_heads
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        q_width = cfg.q_lora_rank or 0
+        per_token = e * (
+            5 * h + 3 + 3 * cfg.kv_lora_rank + 2 * q_width + 2 * heads * qk + 2 * heads * cfg.v_head_dim
+        )
+        # SDPA with a value head dim unlike the query's: CPU runs the math kernel (the score matrix
+        # is saved); CUDA the memory-efficient one (a log-sum-exp per query)
+        scores = mb.sequences * heads * mb.seq_local * mb.seq_full * e if mb.device == "cpu" else 0
+        return t * per_token + t * router + scores
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.head_dim or h // heads
+    q, kvw = heads * head_dim, kv * head_dim
+    if family == "gpt_oss":
+        # an explicit [s, s] score matrix (attention sinks): softmax probabilities saved in fp32
+        probs = mb.sequences * heads * mb.seq_local * mb.seq_full * FP32
+        return t * (e * (6 * h + 3 * q + 2) + router) + probs
+    # qwen3_moe: q/k RMS norms, then SDPA (flash on CPU and CUDA: a log-sum-exp per query and head)
+    return t * (e * (6 * h + 3 * q + 4 * kvw + 2 * heads + kv + 2) + router)
+
+
+def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
+    """Saved bytes of one mlp stage per micro-batch: routed experts' rows (input, gate/up, the
+    activation's operands) for k slots a token, shared experts, or the dense MLP; plus the routed
+    output rows the stage's Forwarded keeps until B."""
+    e, t, h, k = mb.compute_bytes, mb.tokens, cfg.hidden_size, cfg.num_experts_per_tok
+    if not moe:
+        return t * e * (h + 4 * cfg.intermediate_size)
+    if family == "gpt_oss":  # biased, clamped SwiGLU: more elementwise operands kept
+        routed = k * (e * (h + 7 * cfg.intermediate_size) + INT64)
+    else:
+        routed = k * e * (h + 4 * cfg.moe_intermediate_size)
+    shared = 0
+    if family == "deepseek_v2" and cfg.n_shared_experts:
+        shared = e * (h + 4 * cfg.n_shared_experts * cfg.moe_intermediate_size)
+    return t * (routed + shared + k * e * h)
+
+
+def stage_activation_bytes(
+    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int
+) -> float:
+    """Bytes one stage's F keeps alive for its B, for one micro-batch on one rank.
+
+    family: the recipe's model family; cfg: its config; moe: whether the stage's layer has routed
+    experts; mb: the micro-batch's shape on this rank."""
+    kind = stage.role
+    e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
+    k = getattr(cfg, "num_experts_per_tok", 1)
+    if kind == "embed":
+        return t * INT64
+    if kind == "attn":
+        return _attention_bytes(family, cfg, mb, moe, num_experts)
+    if kind in ("dispatch", "combine"):
+        return t * k * INT64  # the slot order
+    if kind == "mlp":
+        return _mlp_bytes(family, cfg, mb, moe)
+    if kind == "aggregate":
+        return t * e * (k * h + k) if moe else 0
+    if kind == "head":
+        # norm input and output, the logits (CPU: F.cross_entropy's fp32 copy; CUDA: the fused
+        # kernel reads the compute-dtype logits), the labels
+        logits = FP32 if mb.device == "cpu" else e
+        return t * (e * (3 * h + 1) + logits * cfg.vocab_size + INT64)
+    raise ValueError(f"the memory plan has no activation formula for stage {stage.name!r} (role {kind!r})")
+
+
+def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch) -> float:
+    """What a pp = 1 step keeps per micro-batch and MoE layer for the expert weight GEMMs it merges
+    over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
+    gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H])."""
+    inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
+    return mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * (2 * cfg.hidden_size + 3 * inter)
+
+
+def moe_stages(model: Model) -> set[int]:
+    """Indices of the stages whose layer has routed experts."""
+    _, units, _ = pipeline.layer_units(model)
+    out: set[int] = set()
+    for unit in units:
+        if any(is_expert_param(n) for i in unit for n in model.stages[i].params):
+            out.update(unit)
+    return out
+
+
+def chunk_activation_bytes(
+    family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch
+) -> int:
+    """Saved activation bytes of one micro-batch through the given model stages."""
+    moe = moe_stages(model)
+    return int(
+        sum(
+            stage_activation_bytes(family, cfg, model.stages[i], i in moe, mb, model.num_experts)
+            for i in stage_indices
+        )
+    )
+
+
+def backward_transient_bytes(
+    family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch
+) -> int:
+    """The largest temporary a chunk's B makes beyond what its F saved: the loss's logits gradient
+    (CPU: ``F.cross_entropy``'s fp32 log-softmax gradient and the logits' gradient; CUDA: the fused
+    kernel's logits gradient in the compute dtype). 0 for a chunk without the head."""
+    if not any(model.stages[i].role == "head" for i in stage_indices):
+        return 0
+    per_logit = 2 * FP32 if mb.device == "cpu" else mb.compute_bytes
+    return mb.tokens * cfg.vocab_size * per_logit
+
+
+@dataclass(frozen=True)
+class ChunkMemory:
+    """One (micro-batch, chunk)'s bytes: activations F saves for B (and B's operands kept for W),
+    the transient its B adds, and the chunk's gradients (made by its first W, held to the step's end)."""
+
+    activations: int
+    transient: int
+    grads: int
+
+
+def pipeline_walk(table: Schedule, rank: int, chunks: Sequence[ChunkMemory]) -> tuple[int, int]:
+    """(most activation bytes rank ``rank`` holds at once, most activation plus gradient bytes).
+
+    Its rows in order: F (and an FB's forward half) adds ``chunks[chunk].activations``; B, BW and an
+    FB's backward half add their transient while they run; W, BW and an FB's backward half free the
+    activations and leave the chunk's gradients. ``simulate``'s ``peak_activations`` weighted by
+    chunk; B keeps W's operands (the taped inputs and output gradients) until W."""
+    live = peak_acts = peak_all = 0
+    made: set[int] = set()
+
+    def note(extra: int) -> None:
+        nonlocal peak_acts, peak_all
+        peak_acts = max(peak_acts, live + extra)
+        peak_all = max(peak_all, live + extra + sum(chunks[c].grads for c in made))
+
+    for a in table.actions[rank]:
+        if a.kind in ("F", "FB"):
+            live += chunks[a.chunk].activations
+            note(0)
+        back = a.b_chunk if a.kind == "FB" else a.chunk
+        if a.kind in ("B", "BW", "FB"):
+            note(chunks[back].transient)
+        if a.kind in ("W", "BW", "FB"):
+            live -= chunks[back].activations
+            made.add(back)
+            note(0)
+    return peak_acts, peak_all
+
+
+def local_step_peaks(
+    one: int, transient: int, expert_keep: int, dense_grads: int, all_grads: int, microbatches: int
+) -> tuple[int, int]:
+    """pp = 1 (``parallel._local_step``): (most activation bytes at once, most activation plus
+    gradient bytes). Micro-batch after micro-batch: F of every stage, B, W - but the expert weight
+    GEMMs wait for the step's end (``merge_later``), keeping ``expert_keep`` bytes per micro-batch.
+    The last micro-batch's B of the head is the activations' peak (the earlier micro-batches' dense
+    gradients exist by then); the step's end, every micro-batch's expert operands and all gradients."""
+    during = one + (microbatches - 1) * expert_keep + transient
+    end = microbatches * expert_keep
+    return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
+
+
+def rank_activation_peaks(
+    family: str, cfg, model: Model, table: Schedule | None, rank: int, mb: MicroBatch,
+    grad_bytes: Mapping[str, int], microbatches: int,
+) -> tuple[int, int]:  # fmt: skip
+    """(most activation bytes pipeline rank ``rank`` holds at once, most activation plus gradient
+    bytes) over one step. family: a key of ``ACTIVATION_FORMULAS``; table: the schedule (None:
+    pp = 1); grad_bytes: {name: bytes of its full gradient} of the rank's parameters."""
+    if table is not None:
+        smap = pipeline.schedule_stage_map(model, table)
+        chunks = []
+        for c in range(table.chunks):
+            idx = smap[(rank, c)]
+            names = {n for i in idx for n in model.stages[i].params}
+            chunks.append(ChunkMemory(chunk_activation_bytes(family, cfg, model, idx, mb),
+                                      backward_transient_bytes(family, cfg, model, idx, mb),
+                                      sum(grad_bytes[n] for n in names)))  # fmt: skip
+        return pipeline_walk(table, rank, chunks)
+    every = range(len(model.stages))
+    moe = moe_stages(model)  # once: asked per layer it made the plan quadratic
+    moe_layers = sum(1 for u in pipeline.layer_units(model)[1] if set(u) & moe)
+    return local_step_peaks(
+        chunk_activation_bytes(family, cfg, model, every, mb),
+        backward_transient_bytes(family, cfg, model, every, mb),
+        moe_layers * int(expert_weight_grad_bytes(family, cfg, mb)),
+        sum(b for n, b in grad_bytes.items() if not is_expert_param(n)),
+        sum(grad_bytes.values()),
+        microbatches,
+    )

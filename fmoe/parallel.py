@@ -58,7 +58,7 @@ from torch import Tensor
 
 from fmoe import dist as D
 from fmoe import pipeline, runner
-from fmoe.expert_parallel import expert_range, is_expert_param
+from fmoe.expert_parallel import expert_range
 from fmoe.mesh import Mesh
 from fmoe.stages.context_parallel import split_batch
 from fmoe.stages.primitives import fp8_training
@@ -73,6 +73,7 @@ class ShardInfo:
     group: str  # "dp_cp" or "dp_cp_ep"
     size: int  # ranks in the group
     index: int  # this rank's index in the group
+    expert: bool = False  # one of the model's expert_params (sliced over ep on dim 0)
 
     @property
     def numel(self) -> int:
@@ -97,11 +98,12 @@ def layout(
     out = {}
     for name in names if names is not None else list(shapes):
         shape = tuple(shapes[name])
-        group = "dp_cp" if is_expert_param(name) else "dp_cp_ep"
-        if is_expert_param(name) and mesh.ep > 1:
+        expert = name in model.expert_params
+        group = "dp_cp" if expert else "dp_cp_ep"
+        if expert and mesh.ep > 1:
             shape = (model.num_experts // mesh.ep, *shape[1:])
         size, index = _group_size_rank(mesh, group)
-        out[name] = ShardInfo(shape, group, size, index)
+        out[name] = ShardInfo(shape, group, size, index, expert)
     return out
 
 
@@ -115,7 +117,7 @@ def shard_canonical(
     out = {}
     for name, info in infos.items():
         t = full[name]
-        expert_sliced = is_expert_param(name) and mesh.ep > 1
+        expert_sliced = info.expert and mesh.ep > 1
         want = (info.full_shape[0] * mesh.ep, *info.full_shape[1:]) if expert_sliced else info.full_shape
         if tuple(t.shape) != tuple(want):
             raise ValueError(
@@ -478,10 +480,11 @@ def planned_layout(
     out = {}
     for name in names:
         shape = tuple(shapes[name])
-        group = "dp_cp" if is_expert_param(name) else "dp_cp_ep"
-        if is_expert_param(name) and mesh.ep > 1:
+        expert = name in model.expert_params
+        group = "dp_cp" if expert else "dp_cp_ep"
+        if expert and mesh.ep > 1:
             shape = (model.num_experts // mesh.ep, *shape[1:])
-        out[name] = ShardInfo(shape, group, *sizes[group])
+        out[name] = ShardInfo(shape, group, *sizes[group], expert)
     return out
 
 
@@ -563,7 +566,7 @@ def gathered_working_set_bytes(
     grads: set[str] = set()
     # pp = 1 merges the expert weight GEMMs of all microbatches into one, run when the gradient is
     # taken (``runner.execute``): until then an expert gradient is its GEMM's activations only
-    merged = {n for n in infos if is_expert_param(n)} if schedule is None else set()
+    merged = {n for n in infos if infos[n].expert} if schedule is None else set()
     # the bytes of resident and grads are kept as running sums (summing the sets at every
     # measurement would make the plan quadratic in the layer count)
     state = {"in_flight": 0, "done": 0, "peak": 0, "held": 0}  # + the reduction in flight; shards made
@@ -740,7 +743,7 @@ def canonical(
             dist.all_gather_into_tensor(buf, shard.contiguous(), group=mesh.group(info.group))
             full = buf
         full = full[: info.numel].view(info.full_shape)
-        if is_expert_param(name) and mesh.ep > 1:
+        if info.expert and mesh.ep > 1:
             parts = [torch.empty_like(full) for _ in range(mesh.ep)]
             dist.all_gather(parts, full.contiguous(), group=mesh.group("ep"))
             full = torch.cat(parts)

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fmoe import parallel, pipeline
-from fmoe.expert_parallel import is_expert_param
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
 from fmoe.schedules.generators import generate
 from fmoe.schedules.simulator import simulate
@@ -91,15 +90,22 @@ class ParamShard:
 
 
 def shard_layout(
-    shapes: Mapping[str, Sequence[int]], names: Iterable[str], num_experts: int, dp: int, cp: int, ep: int
+    shapes: Mapping[str, Sequence[int]],
+    names: Iterable[str],
+    experts: Collection[str],
+    num_experts: int,
+    dp: int,
+    cp: int,
+    ep: int,
 ) -> list[ParamShard]:
-    """``parallel.layout``'s sharding of ``names`` by sizes alone: experts split over ep first
-    (dim 0 of ``num_experts``), then every tensor flat over its shard group."""
+    """``parallel.layout``'s sharding of ``names`` by sizes alone: experts (the model's
+    ``expert_params``) split over ep first (dim 0 of ``num_experts``), then every tensor flat over
+    its shard group."""
     out = []
     for name in names:
         shape = tuple(shapes[name])
         numel = math.prod(shape)
-        if is_expert_param(name):
+        if name in experts:
             if ep > 1:
                 numel = numel // num_experts * (num_experts // ep)
             size = dp * cp
@@ -264,7 +270,7 @@ def _moe_stages(model: Model) -> set[int]:
     _, units, _ = pipeline.layer_units(model)
     out: set[int] = set()
     for unit in units:
-        if any(is_expert_param(n) for i in unit for n in model.stages[i].params):
+        if any(n in model.expert_params for i in unit for n in model.stages[i].params):
             out.update(unit)
     return out
 
@@ -453,7 +459,7 @@ def plan_layout(
     terms = []
     for r in range(pp):
         names = pipeline.local_param_names(model, table, rank=r) if table is not None else list(shapes)
-        shards = shard_layout(shapes, names, model.num_experts, dp, cp, ep)
+        shards = shard_layout(shapes, names, model.expert_params, model.num_experts, dp, cp, ep)
         params, opt = master_bytes(shards), optimizer_bytes(shards)
         fam, w_bytes = (
             ACTIVATION_FORMULAS.get(recipe.model_family),
@@ -479,7 +485,7 @@ def plan_layout(
                 chunk_activation_bytes(fam, cfg, model, every, mb),
                 backward_transient_bytes(fam, cfg, model, every, mb),
                 moe_layers * int(expert_weight_grad_bytes(fam, cfg, mb)),
-                sum(b for n, b in w_bytes.items() if not is_expert_param(n)),
+                sum(b for n, b in w_bytes.items() if n not in model.expert_params),
                 sum(w_bytes.values()),
                 t.microbatches,
             )

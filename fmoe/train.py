@@ -48,7 +48,7 @@ from fmoe import checkpoint, cuda_graphs, data, optim, parallel, pipeline
 from fmoe import dist as D
 from fmoe import plan as memory_plan
 from fmoe.check import check_family
-from fmoe.expert_parallel import expert_range, is_expert_param
+from fmoe.expert_parallel import expert_range
 from fmoe.hf import family as family_module
 from fmoe.mesh import MeshError, build_mesh, check_sizes
 from fmoe.preemption import StopSignals
@@ -373,7 +373,7 @@ def _shard_range(name: str, info: parallel.ShardInfo, mesh, shape) -> tuple[int,
     shard holds, its padding excluded. Experts: this ep rank's experts are rows [lo, hi) of the
     canonical tensor, so its ep-local tensor is the flat range from lo x (elements per expert)."""
     base = 0
-    if is_expert_param(name) and mesh.ep > 1:
+    if info.expert and mesh.ep > 1:
         lo, _ = expert_range(shape[0], mesh.ep, mesh.coords["ep"])
         base = lo * math.prod(shape[1:])
     first = min(info.index * info.shard_numel, info.numel)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fmoe.stages import decoder, layers, rotary
+from fmoe.stages import decoder, hf_mapping, layers, rotary
 from fmoe.stages import family as fam
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Params, StageContext
@@ -233,12 +233,12 @@ def attention_shapes(cfg: DeepseekV2Config, layer: int) -> dict[str, tuple[int, 
     else:
         shapes = {
             "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H),
-            "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+            "self_attn.q_a_layernorm.weight": decoder.Ones((cfg.q_lora_rank,)),
             "self_attn.q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
         }
     return shapes | {
         "self_attn.kv_a_proj_with_mqa.weight": (r + cfg.qk_rope_head_dim, H),
-        "self_attn.kv_a_layernorm.weight": (r,),
+        "self_attn.kv_a_layernorm.weight": decoder.Ones((r,)),
         "self_attn.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
         "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim),
     }
@@ -338,11 +338,11 @@ def read_hf(hf: Mapping, kwargs: dict) -> dict:
 
 
 # tensors: the hub's layout (above), HFMapping's default to_hf / from_hf
-HF = fam.HFMapping(
+HF = hf_mapping.HFMapping(
     DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", defaults=HF_DEFAULTS,
     not_in_hf=("moe_capacity_factor", "rope_theta", "rope_scaling"),
     aliases={"n_routed_experts": ("n_routed_experts", "num_experts")},  # transformers' alias
-    extra_honoured=fam.HF_ROPE_KEYS,
+    extra_honoured=hf_mapping.HF_ROPE_KEYS,
     pinned_fields={
         "hidden_act": ("silu",),
         "attention_bias": (False,),  # q_a / kv_a / o projection biases: not implemented

@@ -11,7 +11,8 @@ the rest have routed experts (softmax router, greedy or group-limited top-k, wei
 ``routed_scaling_factor``) plus ``n_shared_experts`` shared experts every token goes through: the
 builder runs them in the mlp stage beside the routed ones (dispatch carries the token rows ``x``;
 mlp returns ``h1 + shared_experts(x)`` in the residual's slot). Under expert parallelism the shared
-experts run on every rank for its own tokens (they are not ``mlp.experts.*``, so not sharded).
+experts run on every rank for its own tokens (they are not in ``expert_shapes``, so not among the
+model's ``expert_params``: not sharded).
 
 Parameter names and layouts are transformers' (``DeepseekV2ForCausalLM``, stacked experts
 ``mlp.experts.gate_up_proj`` [E, 2I, H] gate rows first, ``mlp.experts.down_proj`` [E, H, I]); the

@@ -1,6 +1,7 @@
 """Expert parallelism: sharding expert parameters over the ep group, and one training step over it.
 
-Expert parameters are the stacked ``*.mlp.experts.*`` tensors ([E, ...], experts on dim 0). ep rank r
+Expert parameters are the stacked tensors a model declares (``Model.expert_params``: [E, ...],
+experts on dim 0). ep rank r
 holds experts [r * E / ep, (r + 1) * E / ep) under the same global names, shaped [E / ep, ...]; every
 other parameter is replicated over ep. A step (``ep_step``): each rank runs its own local batch
 through the model; the MoE layers' dispatch/combine exchange tokens over the ep group, so each
@@ -12,7 +13,7 @@ r*m .. r*m + m - 1 of it): the same loss, the expert gradients of its rows, the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,14 +30,8 @@ __all__ = [
     "ep_step",
     "expert_range",
     "gather_shards",
-    "is_expert_param",
     "shard_params",
 ]
-
-
-def is_expert_param(name: str) -> bool:
-    """Whether a global parameter name is a stacked expert tensor (sharded over ep on dim 0)."""
-    return ".mlp.experts." in name
 
 
 def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
@@ -49,12 +44,14 @@ def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int
     return ep_rank * per, (ep_rank + 1) * per
 
 
-def shard_params(params: Mapping[str, Tensor], ep_size: int, ep_rank: int) -> dict[str, Tensor]:
-    """The params of one ep rank: expert tensors sliced to its experts (contiguous copies), the rest
-    shared with ``params``."""
+def shard_params(
+    params: Mapping[str, Tensor], experts: Collection[str], ep_size: int, ep_rank: int
+) -> dict[str, Tensor]:
+    """The params of one ep rank: the expert tensors (``experts``, the model's ``expert_params``)
+    sliced to its experts (contiguous copies), the rest shared with ``params``."""
     out = {}
     for name, t in params.items():
-        if is_expert_param(name):
+        if name in experts:
             start, stop = expert_range(t.shape[0], ep_size, ep_rank)
             out[name] = t[start:stop].clone()
         else:
@@ -62,24 +59,28 @@ def shard_params(params: Mapping[str, Tensor], ep_size: int, ep_rank: int) -> di
     return out
 
 
-def gather_shards(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The full params from every ep rank's shard, in rank order (inverse of ``shard_params``)."""
+def gather_shards(shards: Sequence[Mapping[str, Tensor]], experts: Collection[str]) -> dict[str, Tensor]:
+    """The full params from every ep rank's shard, in rank order (inverse of ``shard_params``;
+    experts: the model's ``expert_params``)."""
     if not shards:
         raise ValueError("gather_shards needs at least one shard")
     names = list(shards[0])
     for r, shard in enumerate(shards):
         if list(shard) != names:
             raise ValueError(f"gather_shards: shard {r} holds other names than shard 0")
-    return {n: torch.cat([s[n] for s in shards]) if is_expert_param(n) else shards[0][n] for n in names}
+    return {n: torch.cat([s[n] for s in shards]) if n in experts else shards[0][n] for n in names}
 
 
-def all_gather_expert_params(params_local: Mapping[str, Tensor], group) -> dict[str, Tensor]:
-    """Collective: every rank gets the full params from the ep ranks' shards (e.g. to checkpoint)."""
+def all_gather_expert_params(
+    params_local: Mapping[str, Tensor], experts: Collection[str], group
+) -> dict[str, Tensor]:
+    """Collective: every rank gets the full params from the ep ranks' shards (e.g. to checkpoint);
+    experts: the model's ``expert_params``."""
     if moe.group_size(group) == 1:
         return dict(params_local)
     out = dict(params_local)
     for name in sorted(params_local):  # the same order on every rank
-        if is_expert_param(name):
+        if name in experts:
             t = params_local[name].contiguous()
             parts = [torch.empty_like(t) for _ in range(moe.group_size(group))]
             dist.all_gather(parts, t, group=group)
@@ -122,7 +123,7 @@ def ep_step(
 ) -> EPStepResult:
     """One training step of one ep rank (collective over ``ep_group``; None = ep 1).
 
-    params_local: ``shard_params`` of the full params for this rank; batch_local: this rank's
+    params_local: ``shard_params`` of the full params for this rank (``model.expert_params``); batch_local: this rank's
     {"tokens": [b, s], "labels": [b, s]}, split into ``num_microbatches`` microbatches. Every
     microbatch's losses are scaled by 1 / (ep * num_microbatches), so summing gradients over the ep
     group gives the gradient of the group's mean loss; non-expert gradients come back so summed.
@@ -147,7 +148,7 @@ def ep_step(
     )
     local_losses = torch.stack(losses)
     if ep > 1:
-        _all_reduce_sum(grads, [n for n in grads if not is_expert_param(n)], ep_group)
+        _all_reduce_sum(grads, [n for n in grads if n not in model.expert_params], ep_group)
         gathered = local_losses.new_empty(ep * num_microbatches)
         dist.all_gather_into_tensor(gathered, local_losses, group=ep_group)
         all_losses = list(gathered.unbind())

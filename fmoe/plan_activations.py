@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fmoe import pipeline
-from fmoe.expert_parallel import is_expert_param
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -150,7 +149,7 @@ def moe_stages(model: Model) -> set[int]:
     _, units, _ = pipeline.layer_units(model)
     out: set[int] = set()
     for unit in units:
-        if any(is_expert_param(n) for i in unit for n in model.stages[i].params):
+        if any(n in model.expert_params for i in unit for n in model.stages[i].params):
             out.update(unit)
     return out
 
@@ -256,7 +255,7 @@ def rank_activation_peaks(
         chunk_activation_bytes(family, cfg, model, every, mb),
         backward_transient_bytes(family, cfg, model, every, mb),
         moe_layers * int(expert_weight_grad_bytes(family, cfg, mb)),
-        sum(b for n, b in grad_bytes.items() if not is_expert_param(n)),
+        sum(b for n, b in grad_bytes.items() if n not in model.expert_params),
         sum(grad_bytes.values()),
         microbatches,
     )

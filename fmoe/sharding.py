@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fmoe.expert_parallel import expert_range, is_expert_param
+from fmoe.expert_parallel import expert_range
 from fmoe.mesh import Mesh
 from fmoe.stages.spec import Model
 
@@ -50,6 +50,7 @@ class ShardInfo:
     group: str  # "dp_cp" or "dp_cp_ep"
     size: int  # ranks in the group
     index: int  # this rank's index in the group
+    expert: bool = False  # one of the model's expert_params (split over ep on dim 0 first)
 
     @property
     def numel(self) -> int:
@@ -83,21 +84,21 @@ class ShardInfo:
         return first, min(first + self.shard_numel, self.numel)
 
 
-def shard_group(name: str) -> str:
-    """The group a parameter is sharded over: experts (already split over ep) over dp x cp, the
-    rest over dp x cp x ep."""
-    return "dp_cp" if is_expert_param(name) else "dp_cp_ep"
+def shard_group(expert: bool) -> str:
+    """The group a parameter is sharded over: experts (``Model.expert_params``, already split over
+    ep) over dp x cp, the rest over dp x cp x ep."""
+    return "dp_cp" if expert else "dp_cp_ep"
 
 
-def _ep_split(name: str, ep: int) -> bool:
-    """Whether the canonical tensor ``name`` is split over ep ranks along dim 0 (its experts)."""
-    return is_expert_param(name) and ep > 1
+def _ep_split(expert: bool, ep: int) -> bool:
+    """Whether a canonical tensor is split over ep ranks along dim 0 (an expert tensor, ep > 1)."""
+    return expert and ep > 1
 
 
-def local_shape(name: str, shape: Sequence[int], num_experts: int, ep: int) -> tuple[int, ...]:
+def local_shape(expert: bool, shape: Sequence[int], num_experts: int, ep: int) -> tuple[int, ...]:
     """The shape of this rank's full tensor of canonical shape ``shape``: an expert tensor's
     [num_experts, ...] becomes [num_experts / ep, ...] (this ep rank's experts); others unchanged."""
-    if _ep_split(name, ep):
+    if _ep_split(expert, ep):
         return (num_experts // ep, *shape[1:])
     return tuple(shape)
 
@@ -110,9 +111,10 @@ def _infos(
     places = {g: place(g) for g in SHARD_GROUPS}
     out = {}
     for name in names:
-        group = shard_group(name)
+        expert = name in model.expert_params
+        group = shard_group(expert)
         out[name] = ShardInfo(
-            local_shape(name, shapes[name], model.num_experts, mesh.ep), group, *places[group]
+            local_shape(expert, shapes[name], model.num_experts, mesh.ep), group, *places[group], expert
         )
     return out
 
@@ -152,7 +154,7 @@ def shard_canonical(
     out = {}
     for name, info in infos.items():
         t = full[name]
-        expert_sliced = _ep_split(name, mesh.ep)
+        expert_sliced = _ep_split(info.expert, mesh.ep)
         want = (info.full_shape[0] * mesh.ep, *info.full_shape[1:]) if expert_sliced else info.full_shape
         if tuple(t.shape) != tuple(want):
             raise ValueError(
@@ -171,7 +173,7 @@ def shard_range(name: str, info: ShardInfo, mesh: Mesh, shape: Sequence[int]) ->
     Experts: this ep rank's experts are rows [lo, hi) of the canonical tensor, so its ep-local
     tensor is the flat range from lo x (elements per expert)."""
     base = 0
-    if _ep_split(name, mesh.ep):
+    if _ep_split(info.expert, mesh.ep):
         lo, _ = expert_range(shape[0], mesh.ep, mesh.coords["ep"])
         base = lo * math.prod(shape[1:])
     start, stop = info.held()
@@ -200,7 +202,7 @@ def _local_full(name: str, shard: Tensor, info: ShardInfo, mesh: Mesh) -> Tensor
         full = shard.new_empty(info.padded_numel)
         dist.all_gather_into_tensor(full, shard.contiguous(), group=mesh.group(info.group))
     full = info.unpad(full)
-    if _ep_split(name, mesh.ep):
+    if _ep_split(info.expert, mesh.ep):
         parts = [torch.empty_like(full) for _ in range(mesh.ep)]
         dist.all_gather(parts, full.contiguous(), group=mesh.group("ep"))
         full = torch.cat(parts)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from fmoe.collectives import reduce_dtype
-from fmoe.expert_parallel import is_expert_param
 from fmoe.gather_plan import GatherPlan, per_unit, step_gather_plan
 from fmoe.mesh import Mesh
 from fmoe.sharding import ShardInfo, planned_layout
@@ -177,5 +176,5 @@ def gathered_working_set_bytes(
     plan = step_gather_plan(model, mesh, num_microbatches, schedule)
     # pp = 1 merges the expert weight GEMMs of all microbatches into one, run when the gradient is
     # taken (``runner.execute``): until then an expert gradient is its GEMM's activations only
-    merged = {n for n in infos if is_expert_param(n)} if mesh.pp == 1 else set()
+    merged = {n for n in infos if infos[n].expert} if mesh.pp == 1 else set()
     return _replay(plan, sizes, merged)

@@ -11,7 +11,8 @@ the rest have routed experts (softmax router, greedy or group-limited top-k, wei
 ``routed_scaling_factor``) plus ``n_shared_experts`` shared experts every token goes through: the
 builder runs them in the mlp stage beside the routed ones (dispatch carries the token rows ``x``;
 mlp returns ``h1 + shared_experts(x)`` in the residual's slot). Under expert parallelism the shared
-experts run on every rank for its own tokens (they are not ``mlp.experts.*``, so not sharded).
+experts run on every rank for its own tokens (they are not in ``expert_shapes``, so not among the
+model's ``expert_params``: not sharded).
 
 Parameter names and layouts are transformers' (``DeepseekV2ForCausalLM``, stacked experts
 ``mlp.experts.gate_up_proj`` [E, 2I, H] gate rows first, ``mlp.experts.down_proj`` [E, H, I]); the
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fmoe.stages import decoder, layers, rotary
+from fmoe.stages import decoder, hf_mapping, layers, rotary
 from fmoe.stages import family as fam
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Params, StageContext
@@ -233,12 +234,12 @@ def attention_shapes(cfg: DeepseekV2Config, layer: int) -> dict[str, tuple[int, 
     else:
         shapes = {
             "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H),
-            "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+            "self_attn.q_a_layernorm.weight": decoder.Ones((cfg.q_lora_rank,)),
             "self_attn.q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
         }
     return shapes | {
         "self_attn.kv_a_proj_with_mqa.weight": (r + cfg.qk_rope_head_dim, H),
-        "self_attn.kv_a_layernorm.weight": (r,),
+        "self_attn.kv_a_layernorm.weight": decoder.Ones((r,)),
         "self_attn.kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
         "self_attn.o_proj.weight": (H, nh * cfg.v_head_dim),
     }
@@ -338,11 +339,11 @@ def read_hf(hf: Mapping, kwargs: dict) -> dict:
 
 
 # tensors: the hub's layout (above), HFMapping's default to_hf / from_hf
-HF = fam.HFMapping(
+HF = hf_mapping.HFMapping(
     DeepseekV2Config, "DeepseekV2ForCausalLM", "deepseek_v2", defaults=HF_DEFAULTS,
     not_in_hf=("moe_capacity_factor", "rope_theta", "rope_scaling"),
     aliases={"n_routed_experts": ("n_routed_experts", "num_experts")},  # transformers' alias
-    extra_honoured=fam.HF_ROPE_KEYS,
+    extra_honoured=hf_mapping.HF_ROPE_KEYS,
     pinned_fields={
         "hidden_act": ("silu",),
         "attention_bias": (False,),  # q_a / kv_a / o projection biases: not implemented

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fmoe.stages import decoder, rotary
+from fmoe.stages import decoder, hf_mapping, rotary
 from fmoe.stages import deepseek_v2 as v2
-from fmoe.stages import family as fam
 from fmoe.stages.primitives import linear
 from fmoe.stages.spec import Params, StageContext
 
@@ -218,7 +217,7 @@ def train_flops_per_token(cfg: DeepseekV3Config, seq: int) -> float:
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face checkpoint layout: as DeepSeek-V2's (experts one by one on the hub), with the router
-# biases stored too. config.json keys are honoured, pinned or metadata (``fam.check_hf_fields``).
+# biases stored too. config.json keys are honoured, pinned or metadata (``hf_mapping.check_hf_fields``).
 
 # transformers' DeepseekV3Config defaults, for keys config.json omits (rope_theta 10000, plain RoPE)
 HF_DEFAULTS = {k: v for k, v in v2.HF_DEFAULTS.items() if k != "topk_method"} | {
@@ -241,11 +240,11 @@ def write_hf(cfg: DeepseekV3Config) -> dict:
 
 # tensors: the hub's layout, the router biases included (V3 checkpoints hold them; a missing one
 # is refused by name): HFMapping's default to_hf / from_hf. Multi-token prediction is refused.
-HF = fam.HFMapping(
+HF = hf_mapping.HFMapping(
     DeepseekV3Config, "DeepseekV3ForCausalLM", "deepseek_v3", defaults=HF_DEFAULTS,
     not_in_hf=("moe_capacity_factor", "moe_router_bias_update_rate", "rope_theta", "rope_scaling"),
     aliases={"n_routed_experts": ("n_routed_experts", "num_experts", "num_local_experts")},
-    extra_honoured=fam.HF_ROPE_KEYS,
+    extra_honoured=hf_mapping.HF_ROPE_KEYS,
     pinned_fields={
         **v2.HF.pinned_fields,
         "topk_method": ("noaux_tc",),  # the hub's remote code: V3's group-limited sigmoid choice

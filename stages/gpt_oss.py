@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fmoe.stages import decoder, rotary
+from fmoe.stages import decoder, hf_mapping, rotary
 from fmoe.stages import family as fam
 from fmoe.stages.primitives import grouped_linear, linear
 from fmoe.stages.spec import Params, StageContext
@@ -236,7 +236,7 @@ def attention_shapes(cfg: GptOssConfig, layer: int) -> dict[str, tuple[int, ...]
     ):
         shapes[f"self_attn.{n}.weight"] = (out, into)
         if cfg.attention_bias:
-            shapes[f"self_attn.{n}.bias"] = (out,)
+            shapes[f"self_attn.{n}.bias"] = decoder.Zeros((out,))
     return shapes | {"self_attn.sinks": (hq,)}
 
 
@@ -248,7 +248,7 @@ def route(cfg: GptOssConfig, p: Params, x: Tensor) -> tuple[Tensor, Tensor, Tens
 def router_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
     return {
         "mlp.router.weight": (cfg.num_local_experts, cfg.hidden_size),
-        "mlp.router.bias": (cfg.num_local_experts,),
+        "mlp.router.bias": decoder.Zeros((cfg.num_local_experts,)),
     }
 
 
@@ -268,9 +268,9 @@ def expert_shapes(cfg: GptOssConfig) -> dict[str, tuple[int, ...]]:
     E, H, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     return {
         "mlp.experts.gate_up_proj": (E, 2 * inter, H),
-        "mlp.experts.gate_up_proj_bias": (E, 2 * inter),
+        "mlp.experts.gate_up_proj_bias": decoder.Zeros((E, 2 * inter)),
         "mlp.experts.down_proj": (E, H, inter),
-        "mlp.experts.down_proj_bias": (E, H),
+        "mlp.experts.down_proj_bias": decoder.Zeros((E, H)),
     }
 
 
@@ -279,8 +279,17 @@ def norm(x: Tensor, p: Params, name: str, eps: float) -> Tensor:
     return rms_norm(x, p[f"{name}.weight"], eps)
 
 
+# hub_expert_parts=(): transformers' GptOss checkpoints hold the experts stacked (to_hf / from_hf)
 DECODER = decoder.MoEDecoder(
-    dims, attention, attention_shapes, route, router_shapes, experts, expert_shapes, norm=norm
+    dims,
+    attention,
+    attention_shapes,
+    route,
+    router_shapes,
+    experts,
+    expert_shapes,
+    norm=norm,
+    hub_expert_parts=(),
 )
 # the family's functions under their usual names
 build, init_params, param_shapes = DECODER.build, DECODER.init_params, DECODER.param_shapes
@@ -314,7 +323,8 @@ def train_flops_per_token(cfg: GptOssConfig, seq: int) -> float:
 # experts [E, in, out]; fmoe's expert weights are [E, out, in] (see the module docstring).
 # config.json keys are honoured, pinned or metadata, as in fmoe.stages.qwen3_moe.
 
-_TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# the local names of the expert weights transformers stores [E, in, out]
+_TRANSPOSED_LOCAL = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # transformers' GptOssConfig defaults, for keys config.json omits (rope: gpt-oss's YaRN, theta 150000)
 HF_DEFAULTS = {
     "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
@@ -326,9 +336,16 @@ HF_DEFAULTS = {
 HF_DEFAULT_ROPE_THETA = 150000.0
 
 
+def transposed(cfg: GptOssConfig) -> frozenset[str]:
+    """The global names of the expert weights transformers stores transposed ([E, in, out])."""
+    layers = DECODER.dims(cfg).moe_layers
+    return frozenset(hf_mapping.layer_prefix(i) + n for i in layers for n in _TRANSPOSED_LOCAL)
+
+
 def to_hf(cfg: GptOssConfig, params: Params) -> dict[str, Tensor]:
     """fmoe params -> transformers' GptOss tensors (expert weights transposed to [E, in, out])."""
-    out = {name: (t.transpose(1, 2) if name.endswith(_TRANSPOSED) else t) for name, t in params.items()}
+    flip = transposed(cfg)
+    out = {name: (t.transpose(1, 2) if name in flip else t) for name, t in params.items()}
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -336,7 +353,7 @@ def from_hf(cfg: GptOssConfig, tensors: Params) -> dict[str, Tensor]:
     """transformers' GptOss tensors -> fmoe params. Raises KeyError naming the first missing tensor;
     MXFP4-quantized checkpoints (``*_blocks`` / ``*_scales``) must be dequantized first; ValueError
     names a tensor of the wrong shape or one the config has no place for."""
-    shapes = param_shapes(cfg)
+    shapes, flip = param_shapes(cfg), transposed(cfg)
     params: dict[str, Tensor] = {}
     for name, shape in shapes.items():
         if name not in tensors:
@@ -348,10 +365,11 @@ def from_hf(cfg: GptOssConfig, tensors: Params) -> dict[str, Tensor]:
             raise KeyError(f"Hugging Face checkpoint lacks tensor {name!r}")
         t = tensors[name]
         # transformers stores the expert weights [E, in, out]: the shape config.json implies there
-        stored = (shape[0], shape[2], shape[1]) if name.endswith(_TRANSPOSED) else shape
-        fam.check_shape(name, t, stored)
-        params[name] = t.transpose(1, 2).contiguous() if name.endswith(_TRANSPOSED) else t
-    fam.refuse_surplus(tensors, set(shapes), cfg.tie_word_embeddings)
+        stored = (shape[0], shape[2], shape[1]) if name in flip else shape
+        hf_mapping.check_shape(name, t, stored)
+        params[name] = t.transpose(1, 2).contiguous() if name in flip else t
+    derived = hf_mapping.hf_derived_tensors(cfg.num_hidden_layers)
+    hf_mapping.refuse_surplus(tensors, set(shapes), cfg.tie_word_embeddings, derived)
     return params
 
 
@@ -383,12 +401,12 @@ def read_hf(hf: Mapping, kwargs: dict) -> dict:
     return kwargs
 
 
-HF = fam.HFMapping(
+HF = hf_mapping.HFMapping(
     GptOssConfig, "GptOssForCausalLM", "gpt_oss", defaults=HF_DEFAULTS,
     not_in_hf=("moe_capacity_factor", "rope_theta", "rope_scaling"),
     aliases={"num_local_experts": ("num_local_experts", "num_experts")},  # transformers' alias
     # experts_per_token: the released checkpoints' duplicate of num_experts_per_tok
-    extra_honoured=fam.HF_ROPE_KEYS | {"experts_per_token"},
+    extra_honoured=hf_mapping.HF_ROPE_KEYS | {"experts_per_token"},
     pinned_fields={
         "attention_dropout": (0.0,),
         "quantization_config": (None,),  # MXFP4 checkpoints: dequantize to bf16 first

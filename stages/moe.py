@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,7 @@ from fmoe.stages.primitives import linear
 
 __all__ = [
     "DispatchPlan",
+    "Dispatched",
     "all_to_all",
     "biased_top_k_router",
     "capacity",
@@ -314,20 +316,31 @@ def receive_plan(plan: DispatchPlan, recv_lid: Tensor, me: int) -> tuple[Tensor,
     return buf_index[:n_kept], table.view(R, k), torch.cumsum(kept, 0).to(torch.int32), back_index
 
 
+class Dispatched(NamedTuple):
+    """What ``ep_dispatch`` returns: rows [n_kept, H] grouped by local expert (this rank's buffer),
+    order [n] int64 (the source's slot order), offs [El] int32 cumulative row ends, back [m] int64
+    (the buffer row of each slot returned to its source), splits [4, ep] int64 on the CPU (the
+    exchange's split sizes). ``ep_combine`` takes order, back and splits."""
+
+    rows: Tensor
+    order: Tensor
+    offs: Tensor
+    back: Tensor
+    splits: Tensor
+
+
 def ep_dispatch(
     x: Tensor, ids: Tensor, num_experts: int, group, capacity_factor: float | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> Dispatched:
     """Tokens to the ranks owning their experts, in UniEP's deterministic slots.
 
-    x: [T, H], ids: [T, k] int64 global expert ids ->
-    (x_buf [n_kept, H] rows grouped by local expert, order [n] int64 (the source's slot order),
-     offs [El] int32, back_index [m] int64, splits [4, ep] int64 on the CPU).
+    x: [T, H], ids: [T, k] int64 global expert ids -> ``Dispatched``.
     """
     plan = plan_dispatch(ids, num_experts, group, capacity_factor)
     x_recv = all_to_all(copy_rows(x, plan.send_index, plan.send_table), plan.send, plan.recv, group)
     recv_lid = _all_to_all_raw(plan.send_lid, plan.send, plan.recv, group)
     buf_index, buf_table, offs, back_index = receive_plan(plan, recv_lid, group_rank(group))
-    return copy_rows(x_recv, buf_index, buf_table), plan.order, offs, back_index, plan.splits()
+    return Dispatched(copy_rows(x_recv, buf_index, buf_table), plan.order, offs, back_index, plan.splits())
 
 
 def ep_combine(y_buf: Tensor, order: Tensor, back_index: Tensor, splits: Tensor, top_k: int, group) -> Tensor:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, fields
 
 from torch import Tensor
 
-from fmoe.stages import decoder, layers, rotary
+from fmoe.stages import decoder, hf_mapping, layers, rotary
 from fmoe.stages import family as F
 from fmoe.stages import moe as moe_blocks
+from fmoe.stages.decoder import Ones, Zeros
 from fmoe.stages.spec import Params, StageContext
 
 
@@ -144,9 +145,9 @@ def attention_shapes(cfg: Qwen3MoeConfig, layer: int) -> dict[str, tuple[int, ..
     shapes = {"self_attn.q_proj.weight": (hq * d, H), "self_attn.k_proj.weight": (hkv * d, H)}
     shapes |= {"self_attn.v_proj.weight": (hkv * d, H), "self_attn.o_proj.weight": (H, hq * d)}
     if cfg.attention_bias:
-        shapes |= {"self_attn.q_proj.bias": (hq * d,), "self_attn.k_proj.bias": (hkv * d,)}
-        shapes |= {"self_attn.v_proj.bias": (hkv * d,), "self_attn.o_proj.bias": (H,)}
-    return shapes | {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        shapes |= {"self_attn.q_proj.bias": Zeros((hq * d,)), "self_attn.k_proj.bias": Zeros((hkv * d,))}
+        shapes |= {"self_attn.v_proj.bias": Zeros((hkv * d,)), "self_attn.o_proj.bias": Zeros((H,))}
+    return shapes | {"self_attn.q_norm.weight": Ones((d,)), "self_attn.k_norm.weight": Ones((d,))}
 
 
 def router(cfg: Qwen3MoeConfig, p: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -223,7 +224,9 @@ HF_DEFAULT_ROPE_THETA = 10000.0
 def to_hf(cfg: Qwen3MoeConfig, params: Params) -> dict[str, Tensor]:
     """fmoe params -> Hugging Face hub tensors (per-expert gate/up/down projections); the router
     bias, an fmoe training buffer, is left out (Qwen3-MoE on the hub has none)."""
-    return F.unstack_hub_experts(params, skip=frozenset(DECODER.buffers(cfg)))
+    return hf_mapping.unstack_hub_experts(
+        params, DECODER.hub_experts(cfg), skip=frozenset(DECODER.buffers(cfg))
+    )
 
 
 def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
@@ -233,7 +236,10 @@ def from_hf(cfg: Qwen3MoeConfig, tensors: Params) -> dict[str, Tensor]:
     the one the config implies or one the config has no place for.
     """
     buffers = frozenset(DECODER.buffers(cfg))  # not in Hugging Face checkpoints: start neutral
-    return F.stack_hub_experts(param_shapes(cfg), cfg.num_experts, tensors, cfg.tie_word_embeddings, buffers)
+    derived = hf_mapping.hf_derived_tensors(cfg.num_hidden_layers)
+    return hf_mapping.stack_hub_experts(
+        param_shapes(cfg), tensors, DECODER.hub_experts(cfg), derived, cfg.tie_word_embeddings, buffers
+    )
 
 
 def write_hf(cfg: Qwen3MoeConfig) -> dict:
@@ -256,12 +262,12 @@ def read_hf(hf: Mapping, kwargs: dict) -> dict:
     return kwargs | {"rope_theta": theta, "rope_scaling": scaling, "mlp_only_layers": dense}
 
 
-HF = F.HFMapping(
+HF = hf_mapping.HFMapping(
     Qwen3MoeConfig, "Qwen3MoeForCausalLM", "qwen3_moe", defaults=HF_DEFAULTS,
     not_in_hf=("moe_capacity_factor", "moe_router_bias_update_rate", "rope_theta", "rope_scaling"),
     # transformers 5 writes num_local_experts, the hub and transformers 4 num_experts
     aliases={"num_experts": ("num_local_experts", "num_experts")},
-    extra_honoured=F.HF_ROPE_KEYS,
+    extra_honoured=hf_mapping.HF_ROPE_KEYS,
     # fields accepted only at these values: fmoe has no math for the others
     pinned_fields={
         "hidden_act": ("silu",),

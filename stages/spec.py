@@ -139,7 +139,10 @@ class Model:
     model has no such params. buffers: the names of those params; the step reads them in float32
     whatever its compute dtype (a bf16 copy would round their small updates away). num_experts:
     the routed experts of each MoE layer (the range of a dispatch stage's ``expert_ids``); 0 when
-    the model has no MoE layer.
+    the model has no MoE layer. expert_params: the global names of the stacked expert tensors
+    ([num_experts, ...], experts on dim 0) that expert parallelism shards over the ep ranks (each
+    holds its [num_experts / ep, ...] slice under the same name); every other parameter is
+    replicated over ep. A declaration the runtime reads: it never infers it from the names.
     """
 
     config: Any
@@ -149,6 +152,13 @@ class Model:
     buffer_updates: Callable[[Mapping[str, Tensor]], dict[str, Tensor]] | None = None
     buffers: tuple[str, ...] = ()
     num_experts: int = 0
+    expert_params: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.expert_params:
+            unknown = sorted(self.expert_params - set(self.param_names()))
+            if unknown:
+                raise ValueError(f"Model.expert_params names {unknown[0]!r}, which no stage reads")
 
     def statistics(self) -> list[Statistic]:
         """Every stage's statistics, in stage order."""

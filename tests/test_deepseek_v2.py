@@ -250,9 +250,11 @@ def ep_worker(rank: int, world: int, group, family: str, cfg, params: dict) -> d
     model = hf.family(family).build(cfg)
     batch = random_batch(cfg, 2 * world, 8, seed=11)
     local = {k: v[rank * 2 : (rank + 1) * 2] for k, v in batch.items()}
-    res = expert_parallel.ep_step(model, expert_parallel.shard_params(params, world, rank), local, 2, group)
+    res = expert_parallel.ep_step(
+        model, expert_parallel.shard_params(params, model.expert_params, world, rank), local, 2, group
+    )
     ref = runner.run_sequential(model, params, batch, num_microbatches=2 * world)
-    full = expert_parallel.all_gather_expert_params(res.grads, group)
+    full = expert_parallel.all_gather_expert_params(res.grads, model.expert_params, group)
     return {
         "loss_equal": torch.equal(res.loss, ref.loss),
         "worst_rel": max(((g - ref.grads[n]).norm() / ref.grads[n].norm().clamp_min(1e-30)).item()

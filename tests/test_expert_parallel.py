@@ -120,14 +120,14 @@ def worker(rank: int, ep: int, port: int, out: str) -> None:
         model = qwen3_moe.build(cfg)
         batch = random_batch(cfg, LOCAL_BATCH * ep, SEQ, seed=11)
         local = {k: v[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for k, v in batch.items()}
-        params_local = EP.shard_params(params, ep, rank)
+        params_local = EP.shard_params(params, model.expert_params, ep, rank)
         runs = []
         for _ in range(2):
             res = EP.ep_step(model, params_local, local, LOCAL_MICROBATCHES, dist.group.WORLD)
             runs.append(
                 {
                     "loss": res.loss,
-                    "grads": EP.all_gather_expert_params(res.grads, dist.group.WORLD),
+                    "grads": EP.all_gather_expert_params(res.grads, model.expert_params, dist.group.WORLD),
                     "local_grads": res.grads,
                     "loads": res.expert_loads,
                 }
@@ -157,7 +157,8 @@ def reference(name: str, ep: int):
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_ep_loss_bitwise_and_grads_equal_the_sequential_reference(ep_run, name):
     ep, ranks = ep_run
-    _, ref = reference(name, ep)
+    cfg, ref = reference(name, ep)
+    experts = qwen3_moe.build(cfg).expert_params
     for r, result in enumerate(ranks):
         got = result[name][0]
         assert torch.equal(got["loss"], ref.loss), f"rank {r}: loss {got['loss']} != {ref.loss}"
@@ -165,7 +166,7 @@ def test_ep_loss_bitwise_and_grads_equal_the_sequential_reference(ep_run, name):
         for n, g in ref.grads.items():
             err = relative_error(got["grads"][n], g)
             assert err <= GRAD_RTOL, f"rank {r} {n}: relative error {err}"
-            if EP.is_expert_param(n):  # each rank's own gradient is the reference's slice
+            if n in experts:  # each rank's own gradient is the reference's slice
                 start, stop = EP.expert_range(g.shape[0], ep, r)
                 err = relative_error(got["local_grads"][n], g[start:stop])
                 assert err <= GRAD_RTOL, f"rank {r} {n}: own experts' relative error {err}"
@@ -294,14 +295,16 @@ def test_a_capacity_that_drops_nothing_equals_the_dropless_path():
 
 def test_shard_then_gather_gives_back_the_params():
     cfg, params = scenario("random")
-    shards = [EP.shard_params(params, 4, r) for r in range(4)]
+    experts = qwen3_moe.build(cfg).expert_params
+    shards = [EP.shard_params(params, experts, 4, r) for r in range(4)]
     name = "model.layers.1.mlp.experts.gate_up_proj"
     assert shards[1][name].shape[0] == 2 and torch.equal(shards[1][name], params[name][2:4])
-    assert not EP.is_expert_param("model.layers.1.mlp.gate.weight")
-    back = EP.gather_shards(shards)
+    router = "model.layers.1.mlp.gate.weight"
+    assert router not in experts and shards[1][router] is params[router]
+    back = EP.gather_shards(shards, experts)
     assert set(back) == set(params) and all(torch.equal(back[n], params[n]) for n in params)
     with pytest.raises(ValueError, match="divisible"):
-        EP.shard_params(params, 3, 0)
+        EP.shard_params(params, experts, 3, 0)
 
 
 def test_router_bias_update_moves_load_from_busy_to_idle_experts():

@@ -77,7 +77,7 @@ def layer_norm(x, p, name, eps):
 
 
 def layer_norm_shapes(name, hidden):
-    return {f"{name}.weight": (hidden,), f"{name}.bias": (hidden,)}
+    return {f"{name}.weight": decoder.Ones((hidden,)), f"{name}.bias": decoder.Zeros((hidden,))}
 
 
 def embed(cfg, p, tokens, positions):  # learned positions

@@ -32,7 +32,7 @@ RECIPE_TEXT = section_block("toml my_gpt.toml")
 ROUTER_RETURN = "    return probs, weights.to(x.dtype), ids\n"
 # the stage after a layer's aggregate carries one output too many
 AGGREGATE_TWICE = """
-from fmoe.stages.decoder import moe_aggregate_stage
+from fmoe.stages.decoder_stages import moe_aggregate_stage
 
 
 def aggregate_twice(p, inputs, ctx):
@@ -216,7 +216,7 @@ def test_every_shipped_familys_stages_pass_the_chained_float64_gradient_check(na
 def with_custom_aggregate(family, backward_scale: float):
     """``family`` whose aggregate stages carry a hand-written F/B/W whose B scales the residual's
     gradient by ``backward_scale`` (1: right)."""
-    from fmoe.stages.decoder import moe_aggregate_stage
+    from fmoe.stages.decoder_stages import moe_aggregate_stage
 
     def forward(p, inputs, ctx):
         return moe_aggregate_stage(p, inputs, ctx), inputs

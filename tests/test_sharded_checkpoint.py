@@ -340,7 +340,6 @@ def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path,
 
 
 def test_shard_range_is_the_slice_of_the_canonical_tensor_that_shard_canonical_takes():
-    from fmoe.expert_parallel import is_expert_param
     from fmoe.mesh import Mesh
     from fmoe.sharding import ShardInfo, shard_range
 
@@ -353,8 +352,8 @@ def test_shard_range_is_the_slice_of_the_canonical_tensor_that_shard_canonical_t
                 mesh = Mesh(1, dp, 1, ep, rank=d * ep + e, coords={"pp": 0, "dp": d, "cp": 0, "ep": e})
                 infos = {}
                 for n, t in full.items():
-                    if is_expert_param(n):  # ep-local experts, split over dp (x cp)
-                        infos[n] = ShardInfo((t.shape[0] // ep, *t.shape[1:]), "dp_cp", dp, d)
+                    if n == "model.layers.0.mlp.experts.down_proj":  # ep-local experts, split over dp (x cp)
+                        infos[n] = ShardInfo((t.shape[0] // ep, *t.shape[1:]), "dp_cp", dp, d, expert=True)
                     else:  # split over dp x cp x ep, ep innermost
                         infos[n] = ShardInfo(tuple(t.shape), "dp_cp_ep", dp * ep, d * ep + e)
                 shards = sharding.shard_canonical(full, infos, mesh)

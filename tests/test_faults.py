@@ -56,9 +56,9 @@ def _install(hooks: dict) -> None:
     n-th call of a named point, send it other signals there (``signal``: [[point, n, name], ...]),
     sleep there (``sleep``: [point, n, seconds]), or fail tensor writes with ENOSPC."""
     import fmoe.checkpoint as C
+    import fmoe.metrics_log as M
     import fmoe.optim as O
     import fmoe.parallel as P
-    import fmoe.train as T
 
     calls: dict[str, int] = {}
 
@@ -114,7 +114,7 @@ def _install(hooks: dict) -> None:
         real_rmtree(path, *args, **kwargs)
 
     C.shutil = type("shutil", (), {"rmtree": staticmethod(rmtree)})
-    real_log = T.MetricsLog.write
+    real_log = M.MetricsLog.write
 
     def log_write(self, record):
         if hooks.get("kill") == ["metrics", calls.get("metrics", 0) + 1]:
@@ -123,7 +123,7 @@ def _install(hooks: dict) -> None:
         die_at("metrics")
         real_log(self, record)
 
-    T.MetricsLog.write = log_write
+    M.MetricsLog.write = log_write
 
 
 def _serve() -> None:

@@ -213,7 +213,9 @@ class _Loop:
         )
         self.saver = Checkpointer(recipe, run.mesh, run.device, run.infos, run.shapes, self.stops, self.clock)
 
-    def run(self, shards, state, step: int, result: TrainResult, on_step) -> tuple[dict, dict, int]:
+    def run(
+        self, shards, state, step: int, result: TrainResult, on_step: Callable[[int, float], None] | None
+    ) -> tuple[dict, dict, int]:
         """Steps from ``step`` to ``last_steps`` or a stop: this run's losses, skipped-step count
         and stop go to ``result`` (its checkpoint is ``saver.path``). -> (shards, state, step)."""
         log_every, save_every = self.recipe.log.every, self.recipe.checkpoint.every

@@ -178,7 +178,9 @@ def _serve() -> None:
 
 class Server:
     def __init__(self, cwd: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+        # the children import the fmoe this process imported (a worktree's on PYTHONPATH, not the install's)
+        path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import test_faults; test_faults._serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env,

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import environment
-from fmoe import checkpoint, memory, sharding
+from fmoe import checkpoint, memory, sharding, train_state
 from fmoe import dist as D
-from fmoe import train as T
 from fmoe.mesh import build_mesh
 from fmoe.stages import qwen3_moe
 
@@ -69,18 +68,18 @@ def worker(rank: int, world: int, group, root: str, config: dict) -> dict:
 
     def save_sharded():
         return checkpoint.save_sharded(
-            sharded_dir, 1, T._checkpoint_shards(shards, infos, mesh, shapes),
-            T._opt_canonical(state, infos, mesh, shapes), {"data_cursor": 0},
+            sharded_dir, 1, train_state.checkpoint_shards(shards, infos, mesh, shapes),
+            train_state.opt_canonical(state, infos, mesh, shapes), {"data_cursor": 0},
         )  # fmt: skip
 
     seconds, peak, path = _measure(save_sharded)
     out["sharded_save"] = {"seconds": seconds, "peak_extra_bytes": peak}
 
     def load_sharded():
-        reason = T._verify_share(path, rank, world)
+        reason = train_state.verify_share(path, rank, world)
         assert reason is None, reason
         ck = checkpoint.open_checkpoint(path, check_integrity=False)
-        return {n: T._read_shard(ck, "model", n, n, infos[n], mesh, shapes[n], "cpu") for n in infos}
+        return {n: train_state.read_shard(ck, "model", n, n, infos[n], mesh, shapes[n], "cpu") for n in infos}
 
     seconds, peak, loaded = _measure(load_sharded)
     assert all(torch.equal(loaded[n], shards[n]) for n in shards)

@@ -8,11 +8,15 @@ The path of one training step through the modules (``fmoe train recipe.toml``), 
 
     cli.main -> cmd_train                   the command line; bad input becomes one line, exit 2
     recipe.load                             the TOML, every field validated, the family looked up
-    train.train -> _train                   the run: family check, mesh, data, resume, the step loop
+    train.train -> _train                   the run in numbered steps: setup, state, the step loop
+      train_setup.setup                     once before the first step: the next 4 lines, model, memory plan
       check.check_family                    every stage once on a tiny batch, before any data
       mesh.build_mesh                       the ("pp", "dp", "cp", "ep") process groups
-      data.TokenDataset, data.batches       packed token shards read through numpy.memmap
-      checkpoint (resume point, lock)       the newest intact checkpoint, this run's folder lock
+      train_state.agree_on_resume_point     the newest intact checkpoint, this run's folder lock
+      train_data.open_dataset               data.TokenDataset: token shards read through numpy.memmap
+      train_state.initial_state             fresh from the seed, or this rank's checkpoint ranges
+      train._Loop.run                       per step: batch, step, stop, loss sync, log line, save
+      train_data.batch_stream               data.batches from the run's data cursor
       train_step:
         parallel.parallel_step              one step on the mesh; gathered parameters per unit
           runner.execute (pp = 1)           the micro-batch plan: F of every unit, then B + W back
@@ -25,7 +29,9 @@ The path of one training step through the modules (``fmoe train recipe.toml``), 
               stages.<family> -> stages.decoder, layers, moe, primitives -> kernels
                                             the model's pure stage functions and their kernels
         train._update -> optim.step         clip, AdamW on the shards (optim_fused), buffer updates
-      checkpoint.begin_save / PendingSave.finish
+      metrics_log.MetricsLog, train_clock.Clock
+                                            metrics.jsonl lines; steady-state tokens/s and MFU
+      train_state.Checkpointer -> checkpoint.begin_save / PendingSave.finish
                                             sharded, atomic, verified; written beside training
       preemption.StopSignals                SIGTERM / SIGINT / checkpoint.signal end after a step
 

@@ -49,8 +49,6 @@ over the world, ``world_sq_norm``). Checkpoints hold the canonical, layout-free 
 Modules, one concern each: ``fmoe.sharding`` (the layout, pad / slice, canonical tensors),
 ``fmoe.collectives`` (gathers, reductions, world sums), ``fmoe.gather_plan`` (the per-unit plan
 and its runtime), ``fmoe.working_set`` (the plan's memory, for ``fmoe plan``), this one (the step).
-``layout``, ``shard_canonical``, ``canonical``, ``add_to_shards``, ``ShardInfo`` and
-``world_sq_norm`` are re-exported here for fmoe/train.py, which imports them from this module.
 """
 
 from __future__ import annotations
@@ -65,24 +63,18 @@ from torch import Tensor
 
 from fmoe import dist as D
 from fmoe import runner
-from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, world_sq_norm, world_statistics
+from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, world_statistics
 from fmoe.gather_plan import GatherPlan, UnitGathers, per_unit, step_gather_plan
 from fmoe.mesh import Mesh
-from fmoe.sharding import ShardInfo, add_to_shards, canonical, layout, shard_canonical
+from fmoe.sharding import ShardInfo
 from fmoe.stages.context_parallel import split_batch
 from fmoe.stages.primitives import fp8_training
 from fmoe.stages.spec import Model, StageContext
 
 __all__ = [
-    "ShardInfo",
     "ShardedStep",
-    "add_to_shards",
-    "canonical",
-    "layout",
     "local_batch",
     "parallel_step",
-    "shard_canonical",
-    "world_sq_norm",
 ]
 
 

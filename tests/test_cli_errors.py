@@ -67,7 +67,7 @@ def test_recipes_that_can_never_run_are_refused_up_front_naming_the_field(
     def no_data(*args, **kwargs):
         raise AssertionError("the recipe reached the data pipeline")
 
-    monkeypatch.setattr("fmoe.train.ensure_dataset", no_data)
+    monkeypatch.setattr("fmoe.train_data.ensure_dataset", no_data)
     code, err, path = train_cli(tmp_path, dataset, capsys, **sections)
     assert_one_line_error(code, err, path, field)
 

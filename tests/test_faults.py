@@ -57,9 +57,9 @@ def _install(hooks: dict) -> None:
     sleep there (``sleep``: [point, n, seconds]), or fail tensor writes with ENOSPC."""
     import fmoe.checkpoint_install as CI
     import fmoe.checkpoint_write as CW
+    import fmoe.metrics_log as M
     import fmoe.optim as O
     import fmoe.parallel as P
-    import fmoe.train as T
 
     calls: dict[str, int] = {}
 
@@ -116,7 +116,7 @@ def _install(hooks: dict) -> None:
 
     fake_shutil = type("shutil", (), {"rmtree": staticmethod(rmtree)})
     CI.shutil = CW.shutil = fake_shutil  # every rmtree of a save, a drop and a tidy-up
-    real_log = T.MetricsLog.write
+    real_log = M.MetricsLog.write
 
     def log_write(self, record):
         if hooks.get("kill") == ["metrics", calls.get("metrics", 0) + 1]:
@@ -125,7 +125,7 @@ def _install(hooks: dict) -> None:
         die_at("metrics")
         real_log(self, record)
 
-    T.MetricsLog.write = log_write
+    M.MetricsLog.write = log_write
 
 
 def _serve() -> None:
@@ -180,7 +180,9 @@ def _serve() -> None:
 
 class Server:
     def __init__(self, cwd: Path):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+        # the children import the fmoe this process imported (a worktree's on PYTHONPATH, not the install's)
+        path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import test_faults; test_faults._serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=cwd, env=env,

@@ -45,9 +45,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("fmoe/checkpoint_verify.py", "name.startswith('.')"): "a manifest's file name, not hidden",
     # a recipe's --set key (section.field) and a TOML override
     ("fmoe/recipe.py", "key.partition('.')"): "a recipe override's section.field",
-    # optimizer-state keys "{param}/{moment}" (fmoe.optim's layout) split back into the two; train.py
-    # is being restructured by another helper: a declared (param, moment) key is the way out
-    ("fmoe/train.py", "key.partition('/')"): "an optimizer-state key, param/moment",
+    # optimizer-state keys "<moment>/<param>" (fmoe.optim.state_to_flat's layout, a key the optimizer
+    # composes, not a parameter's name) split back to find the parameter's shard
+    ("fmoe/train_state.py", "key.partition('/')"): "an optimizer-state key, moment/param",
     # the declared prefix a Stage strips to form the keys its forward sees (spec.Stage.prefix)
     ("stages/spec.py", "global_name[len(self.prefix):]"): "Stage.prefix, declared, stripped",
 }

@@ -48,6 +48,7 @@ def measure_layout(overrides: dict) -> dict:
     (VmHWM above the baseline, plus the shards and optimizer state the baseline already holds),
     beside the plan's figures for this rank."""
     from fmoe import train as T
+    from fmoe import train_setup
     from fmoe.mesh import build_mesh
 
     torch.set_num_threads(1)
@@ -56,7 +57,7 @@ def measure_layout(overrides: dict) -> dict:
     fam = family_module(recipe.model_family)
     model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
     mesh = build_mesh(p.pp, p.dp, p.cp, p.ep)
-    table = T._schedule(recipe, mesh)
+    table = train_setup.schedule(recipe, mesh)
     names = (
         pipeline.local_param_names(model, table, rank=mesh.coords["pp"])
         if table is not None

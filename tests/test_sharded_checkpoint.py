@@ -13,7 +13,7 @@ import torch
 from conftest import relative_error, tiny_config
 from test_train import recipe_dict
 
-from fmoe import checkpoint, memory, optim, sharding
+from fmoe import checkpoint, memory, optim, sharding, train_state
 from fmoe import dist as D
 from fmoe import recipe as R
 from fmoe import train as T
@@ -102,11 +102,11 @@ def _tiny_save(root: Path, mesh, nan: bool):
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
     state = tx.init(shards)
     path = checkpoint.save_sharded(
-        root, 2, T._checkpoint_shards(shards, infos, mesh, shapes),
-        T._opt_canonical(state, infos, mesh, shapes), {"data_cursor": 4},
+        root, 2, train_state.checkpoint_shards(shards, infos, mesh, shapes),
+        train_state.opt_canonical(state, infos, mesh, shapes), {"data_cursor": 4},
     )  # fmt: skip
     # read back on the same layout: the trainer's loader gives this rank's shards bitwise
-    got, got_state, counters = T._initial_state(
+    got, got_state, counters = train_state.initial_state(
         None, model, tx, shapes, infos, mesh, torch.device("cpu"), path
     )
     same = all(torch.equal(got[n], shards[n]) for n in shards) and counters["data_cursor"] == 4
@@ -125,8 +125,8 @@ def _memory(root: Path, mesh) -> dict:
     shards = {n: torch.randn(i.shard_numel, generator=gen) for n, i in infos.items()}
     state = {k: (v.normal_(generator=gen).abs_() if "/" in k else v) for k, v in tx.init(shards).items()}
     own = sum(t.numel() * t.element_size() for t in (*shards.values(), *state.values()))
-    model_shards = T._checkpoint_shards(shards, infos, mesh, shapes)
-    opt_shards = T._opt_canonical(state, infos, mesh, shapes)
+    model_shards = train_state.checkpoint_shards(shards, infos, mesh, shapes)
+    opt_shards = train_state.opt_canonical(state, infos, mesh, shapes)
     base = memory.reset_peak(cpu)
     path = checkpoint.save_sharded(root, 1, model_shards, opt_shards, {"data_cursor": 0})
     save_extra = memory.peak_bytes(cpu) - base
@@ -134,7 +134,7 @@ def _memory(root: Path, mesh) -> dict:
     del shards, state, model_shards, opt_shards
     gc.collect()
     base = memory.reset_peak(cpu)
-    got, _, _ = T._initial_state(None, model, tx, shapes, infos, mesh, cpu, path)
+    got, _, _ = train_state.initial_state(None, model, tx, shapes, infos, mesh, cpu, path)
     load_extra = memory.peak_bytes(cpu) - base
     same = all(torch.equal(got[n], want[n]) for n in want)
     return {"save_extra": save_extra, "load_extra": load_extra, "own": own, "same": same, "path": str(path)}

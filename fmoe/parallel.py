@@ -59,6 +59,7 @@ from torch import Tensor
 from fmoe import dist as D
 from fmoe import pipeline, runner
 from fmoe.expert_parallel import expert_range, is_expert_param
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import Mesh
 from fmoe.stages.context_parallel import split_batch
 from fmoe.stages.primitives import fp8_training
@@ -204,6 +205,7 @@ def _local_step(
     mesh: Mesh,
     seed: int,
     hooks: runner.StepHooks | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> runner.StepResult:
     """pp = 1: every stage on this rank, through the micro-batch executor (``runner.execute``).
 
@@ -217,8 +219,9 @@ def _local_step(
         for i in range(num_microbatches)
     ]
     losses, grads = runner.execute(
-        model, params, microbatches, contexts, 1.0 / num_microbatches, statistics=statistics, hooks=hooks
-    )
+        model, params, microbatches, contexts, 1.0 / num_microbatches, statistics=statistics, hooks=hooks,
+        memory=memory,
+    )  # fmt: skip
     return runner.StepResult(runner.mean_loss(losses), grads, losses, statistics)
 
 
@@ -644,15 +647,17 @@ def add_to_shards(
     return out
 
 
-def _run(model, params, batch, num_microbatches, mesh, schedule, seed, timeout_s, hooks) -> runner.StepResult:
+def _run(
+    model, params, batch, num_microbatches, mesh, schedule, seed, timeout_s, hooks, memory=None
+) -> runner.StepResult:
     """This rank's share of a step: the pipeline interpreter for pp > 1, else the executor."""
     if mesh.pp == 1:
-        return _local_step(model, params, batch, num_microbatches, mesh, seed, hooks)
+        return _local_step(model, params, batch, num_microbatches, mesh, seed, hooks, memory)
     from fmoe.interpreter import run_schedule
 
     return run_schedule(
         schedule, model, params, batch, mesh.group("pp"), seed=seed, stage_groups=mesh.stage_groups(),
-        timeout_s=timeout_s, hooks=hooks,
+        timeout_s=timeout_s, hooks=hooks, memory=memory,
     )  # fmt: skip
 
 
@@ -671,6 +676,7 @@ def parallel_step(
     fp8_dense: bool = True,
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
     gather: str = "chunk",
+    memory: MemoryPolicy | None = None,
 ) -> ShardedStep:
     """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards;
     the step's statistics summed over the world, see ``ShardedStep``).
@@ -681,7 +687,8 @@ def parallel_step(
     fp8_dense=False only the expert GEMMs, see ``fp8_training``); timeout_s: how long a pipeline
     rank waits for a peer before it gives up (``fmoe.dist.wait``); gather: "chunk" (per layer /
     pipeline chunk, wherever a parameter is sharded and fp8 is off) or "step" (all at once), see
-    the module docstring; both give bitwise the same results. The gradient shards are fp32 where
+    the module docstring; both give bitwise the same results; memory: the merge window and each
+    stage's recomputation (``fmoe.memory_policy``; None: the defaults). The gradient shards are fp32 where
     they were summed over ranks, else in the compute dtype.
     """
     mine = local_batch(batch, mesh)
@@ -690,12 +697,16 @@ def parallel_step(
         plan = _step_plan(model, num_microbatches, schedule if mesh.pp > 1 else None, mesh.coords["pp"])
         gathers = _UnitGathers(shards, infos, mesh, dtype, model.buffers, plan, scale)
         hooks = runner.StepHooks(gathers.before, gathers.after, plan.take_at, gathers.taken)
-        result = _run(model, gathers.params, mine, num_microbatches, mesh, schedule, seed, timeout_s, hooks)
+        result = _run(
+            model, gathers.params, mine, num_microbatches, mesh, schedule, seed, timeout_s, hooks, memory
+        )
         grad_shards = gathers.finish(result.grads)
     else:
         params = gather_params(shards, infos, mesh, dtype, uncast=model.buffers)
         with fp8_training(fp8, dense=fp8_dense):
-            result = _run(model, params, mine, num_microbatches, mesh, schedule, seed, timeout_s, None)
+            result = _run(
+                model, params, mine, num_microbatches, mesh, schedule, seed, timeout_s, None, memory
+            )
         del params
         grads = result.grads
         if dtype is not None:

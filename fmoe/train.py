@@ -637,7 +637,7 @@ def _train(
             model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
             dtype=None if dtype == torch.float32 else dtype, seed=seed,
             fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
-            gather=recipe.parallel.gather,
+            gather=recipe.parallel.gather, memory=recipe.memory,
         )  # fmt: skip
         shards, state, skipped = _update(tx, model, loss, grads, statistics, state, shards, infos, mesh)
         return shards, state, loss, skipped

@@ -18,7 +18,7 @@ every parallel feature is tested against.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -302,6 +302,16 @@ class StepHooks:
     taken: Callable[[dict[str, Tensor]], None]
 
 
+def run_merged(
+    grads: dict[str, Tensor], merge_later: dict[str, list[GroupedWeightGrad]] | None, names: Iterable[str]
+) -> None:
+    """Run the merged expert GEMMs ``merge_later`` holds for ``names`` into the accumulator ``grads``
+    (a merge window's end, or a gradient taken)."""
+    if merge_later:
+        pending = {n: merge_later.pop(n) for n in names if n in merge_later}
+        accumulate(grads, merged_weight_grads(pending))
+
+
 def take_grads(
     grads: dict[str, Tensor],
     merge_later: dict[str, list[GroupedWeightGrad]] | None,
@@ -310,9 +320,7 @@ def take_grads(
 ) -> dict[str, Tensor]:
     """Pop the final gradients of ``names`` from an accumulator: their merged expert GEMMs added,
     zeros where no gradient flowed (shaped and typed like ``params[n]``, whose data is not read)."""
-    if merge_later:
-        pending = {n: merge_later.pop(n) for n in names if n in merge_later}
-        accumulate(grads, merged_weight_grads(pending))
+    run_merged(grads, merge_later, names)
     return {n: grads.pop(n) if n in grads else torch.zeros_like(params[n]) for n in names}
 
 
@@ -356,12 +364,13 @@ def execute(
     microbatches: the batches ({"tokens": [b, s], "labels": [b, s], "positions": [s]}), contexts: one
     StageContext each; loss_scale: the seed of every loss output (1 / microbatches, or less when the
     caller averages over ranks too); merge_expert_grads: run each expert weight GEMM once over all
-    microbatches' rows, when the parameter's last W has run, instead of once per microbatch;
-    statistics: if given, every stage's statistic outputs are added into it; observe(stage index,
-    inputs): called before each stage's F (e.g. to log routing); hooks: see ``StepHooks`` (k counts
-    the plan's steps); memory: the merge window and each stage's recomputation
-    (``fmoe.memory_policy``; None: the defaults). The returned gradients hold every parameter that ``hooks`` did not take
-    (zeros where none flowed; none missing), in model order.
+    microbatches' rows of a merge window (``memory.merge_window``; 0: the step), at the window's
+    last B of the parameter's unit, instead of once per microbatch; statistics: if given, every
+    stage's statistic outputs are added into it; observe(stage index, inputs): called before each
+    stage's F (e.g. to log routing); hooks: see ``StepHooks`` (k counts the plan's steps); memory:
+    the merge window and each stage's recomputation (``fmoe.memory_policy``; None: the defaults).
+    The returned gradients hold every parameter that ``hooks`` did not take (zeros where none
+    flowed; none missing), in model order.
     Per parameter, gradients add up in microbatch order whatever the hooks, so the results do not
     depend on them bitwise; nor on the recomputation; the merge window changes only the order in
     which an expert gradient's terms are summed (one GEMM per window, the windows added in order).
@@ -394,10 +403,8 @@ def execute(
             carry, work = backward_stage(fwd, carry, loss_scale)
             works.append(work)
         weight_grads(works[::-1], merge_later, into=grads)
-        if merge_later and memory.merge_closes(step.microbatch, len(microbatches)):
-            # the window's last B of this unit: its merged expert GEMMs run now, into the accumulator
-            window = {n: merge_later.pop(n) for n in unit_params[step.unit] if n in merge_later}
-            accumulate(grads, merged_weight_grads(window))
+        if memory.merge_closes(step.microbatch, len(microbatches)):  # this unit's window ends
+            run_merged(grads, merge_later, unit_params[step.unit])
 
     unit_params = [{n for i in unit for n in model.stages[i].params} for unit in units]
     taken = run_steps(len(plan), run_step, hooks, lambda names: take_grads(grads, merge_later, params, names))

@@ -4,6 +4,7 @@
     merge_window = 1           # expert weight GEMMs merged over at most 1 micro-batch (0: the whole step)
     recompute = "full"         # "none" | "full" | "selective"
     recompute_roles = ["mlp"]  # the stage roles it applies to (empty: every role)
+    offload = true             # the other stages' saved tensors wait in host memory (default false)
 
 merge_window (pp = 1, ``fmoe.runner.execute``): the expert weight GEMMs of a layer are merged over
 the micro-batches of one window (consecutive micro-batches, at most ``merge_window`` of them) and
@@ -21,6 +22,8 @@ recompute, per stage (``recomputes``), in ``fmoe.stage``:
 - "selective": F keeps the stage's saved tensors except the outputs of its recomputable regions
   (``fmoe.stages.primitives.recomputable``: norms, SwiGLU / GELU), which B recomputes from the
   regions' inputs when it first needs them. Every GEMM input that is not such an output is kept.
+offload: the saved tensors of every stage that is not recomputed go to (pinned) host memory after
+F and come back when B needs them (``fmoe.offload``).
 Losses and gradients are bitwise those of "none": the same operations on the same values.
 Under expert parallelism (an "ep" group in the stage's context) the "dispatch" and "combine" stages
 are never recomputed: they hold the all-to-all exchanges, which a recompute must not repeat. Every
@@ -36,9 +39,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free: a recipe is read without it
     from fmoe.stages.spec import Stage, StageContext
 
-__all__ = ["RECOMPUTE_MODES", "MemoryPolicy", "EXCHANGE_ROLES"]
+__all__ = ["RECOMPUTE_MODES", "STAGE_MODES", "MemoryPolicy", "EXCHANGE_ROLES"]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+# what a stage's F does with what autograd saves (``fmoe.stage.forward``): keep it, keep nothing and
+# recompute, recompute the marked blocks' outputs, offload it
+STAGE_MODES = (*RECOMPUTE_MODES, "offload")
 # the roles holding the expert-parallel all-to-all: never recomputed when an "ep" group exists
 EXCHANGE_ROLES = ("dispatch", "combine")
 
@@ -50,6 +56,7 @@ class MemoryPolicy:
     merge_window: int = 0
     recompute: str = "none"
     recompute_roles: tuple[str, ...] = ()
+    offload: bool = False
 
     def __post_init__(self) -> None:
         from fmoe.stages.spec import ROLES  # torch: only once a policy is built
@@ -72,15 +79,20 @@ class MemoryPolicy:
                 f"MemoryPolicy.recompute_roles: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})"
             )
 
-    def recompute_of(self, stage: Stage, ctx: StageContext) -> str:
-        """The recomputation ``stage`` gets under ``ctx``: one of ``RECOMPUTE_MODES``."""
-        if self.recompute == "none" or stage.custom is not None:
+    def stage_mode(self, stage: Stage, ctx: StageContext) -> str:
+        """What ``stage``'s F under ``ctx`` does with what autograd saves: one of ``STAGE_MODES``."""
+        if stage.custom is not None:
             return "none"  # a CustomGrad stage's F saves what its own B reads
-        if self.recompute_roles and stage.role not in self.recompute_roles:
-            return "none"
-        if stage.role in EXCHANGE_ROLES and ctx.group("ep") is not None:
-            return "none"  # never repeat an all-to-all
-        return self.recompute
+        recomputed = (
+            self.recompute != "none"
+            and (not self.recompute_roles or stage.role in self.recompute_roles)
+            and not (
+                stage.role in EXCHANGE_ROLES and ctx.group("ep") is not None
+            )  # never repeat an all-to-all
+        )
+        if recomputed:
+            return self.recompute
+        return "offload" if self.offload else "none"
 
     def merge_closes(self, microbatch: int, num_microbatches: int) -> bool:
         """Whether ``microbatch`` is the last of its merge window (its B runs the window's merged W)."""

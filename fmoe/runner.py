@@ -172,13 +172,13 @@ def forward_stage(
     context): its inputs (the carry, then the batch fields it names), the forward, its loss terms
     into ``terms`` (row ``microbatch``), its statistics into
     ``statistics`` (if given); observe(index, inputs) runs first if given; memory: the step's memory
-    policy (which recomputation the stage gets; None: none). Returns (the carry for the next stage,
+    policy (whether the stage is recomputed or offloaded; None: neither). Returns (the carry for the next stage,
     what B needs)."""
     inputs = stage_inputs(stage, carry, batch)
     if observe is not None:
         observe(index, inputs)
-    recompute = "none" if memory is None else memory.recompute_of(stage, ctx)
-    outputs, fwd = S.forward(stage, params, inputs, ctx, recompute)
+    mode = "none" if memory is None else memory.stage_mode(stage, ctx)
+    outputs, fwd = S.forward(stage, params, inputs, ctx, mode)
     carry, stage_terms = split_outputs(stage, outputs)
     terms.record(microbatch, index, stage_terms)
     if statistics is not None:

@@ -19,7 +19,8 @@ counters (an input or parameter written in place since F raises ``StageError`` n
 would differentiate other values), re-runs F on them with the same context and differentiates that
 fresh graph. "selective" keeps every saved tensor except the outputs of the stage's
 ``fmoe.stages.recompute.recomputable`` blocks, which B recomputes. Either way B sees the same values
-as without recomputation, so its results are bitwise the same.
+as without recomputation, so its results are bitwise the same. "offload" keeps the saved tensors in
+host memory between F and B (``fmoe.offload``): B reads copies of the same values and layouts.
 
 Why autograd and not ``torch.func.vjp``: a vjp materialises a zero gradient for every deferred
 weight (a weight-sized write per stage call) and, measured on this CPU, costs 155 us per call
@@ -71,6 +72,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fmoe.offload import offloaded
 from fmoe.stages.primitives import (
     DenseWeightGrad,
     GroupedWeightGrad,
@@ -137,6 +139,12 @@ class Kept:
                     f"stage {stage.name!r}: its {name} was written in place between F and B (version "
                     f"{seen} -> {t._version}); a recompute would differentiate other values than F's"
                 )
+
+
+_SAVING = {  # the saved-tensor hooks of a mode that keeps the graph, given the stage's own tensors
+    "selective": lambda keep: recompute_outputs(),
+    "offload": offloaded,
+}
 
 
 def _drop(t: Tensor) -> None:
@@ -228,26 +236,28 @@ def forward(
     params: Mapping[str, Tensor],
     inputs: Sequence[Tensor],
     ctx: StageContext,
-    recompute: str = "none",
+    mode: str = "none",
 ) -> tuple[tuple[Tensor, ...], Forwarded]:
     """F: run the stage; return its (detached) outputs and what B needs.
 
     params: {global name: tensor} (may hold more than the stage's); inputs: the previous stage's
-    outputs followed by the stage's batch fields; recompute: "none", "full" or "selective" (see the
-    module docstring; a ``CustomGrad`` stage is never recomputed).
+    outputs followed by the stage's batch fields; mode: what F does with what autograd saves,
+    "none" (keeps it), "full" or "selective" (recomputation, see the module docstring) or
+    "offload" (``fmoe.offload``); a ``CustomGrad`` stage is always run as "none".
     """
     own = stage_params(stage, params)
-    if recompute == "full" and stage.custom is None:
-        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-            outputs, _ = forward(stage, own, inputs, ctx)
-        return outputs, Forwarded(stage, ctx, outputs, (), {}, kept=Kept.of(own, inputs))
-    if recompute == "selective" and stage.custom is None:
-        with recompute_outputs():
+    if stage.custom is None and mode != "none":
+        if mode == "full":
+            with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+                outputs, _ = forward(stage, own, inputs, ctx)
+            return outputs, Forwarded(stage, ctx, outputs, (), {}, kept=Kept.of(own, inputs))
+        if mode not in _SAVING:
+            raise StageError(
+                f"stage {stage.name!r}: mode must be 'none', 'full', 'selective' or 'offload', got {mode!r}"
+            )
+        keep = [t for t in (*own.values(), *inputs) if isinstance(t, Tensor)]
+        with _SAVING[mode](keep):
             return forward(stage, own, inputs, ctx)
-    if recompute not in ("none", "full", "selective"):
-        raise StageError(
-            f"stage {stage.name!r}: recompute must be 'none', 'full' or 'selective', got {recompute!r}"
-        )
     if stage.custom is not None:
         local = _StageParams(stage, {stage.local_name(n): t for n, t in own.items()})
         outputs, saved = stage.custom.forward(local, tuple(inputs), ctx)

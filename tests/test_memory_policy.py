@@ -10,6 +10,7 @@ between F and B) is refused by B.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import torch
 from conftest import random_batch, tiny_config
 
 from fmoe import dist as D
-from fmoe import memory, parallel, pipeline, recipe
+from fmoe import memory, offload, parallel, pipeline, recipe
 from fmoe import runner as R
 from fmoe import stage as S
 from fmoe.memory_policy import MemoryPolicy
@@ -36,7 +37,15 @@ RECOMPUTING = [
     MemoryPolicy(recompute="full"),
     MemoryPolicy(recompute="selective"),
     MemoryPolicy(recompute="full", recompute_roles=("attn", "mlp", "head")),
+    MemoryPolicy(offload=True),
+    MemoryPolicy(recompute="selective", recompute_roles=("mlp",), offload=True),
 ]
+
+
+@pytest.fixture(autouse=True)
+def offload_everything(monkeypatch):
+    """Offload saved tensors of every size: the tiny models' are far below ``offload.MIN_BYTES``."""
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,7 +94,8 @@ def test_memory_section_reaches_the_recipe_and_a_bad_value_names_its_field():
         ({"merge_window": 1.5}, "memory.merge_window must be int"),
         ({"recompute": "some"}, "memory.recompute must be one of"),
         ({"recompute_roles": ["attention"]}, "memory.recompute_roles: unknown role 'attention'"),
-        ({"offload": True}, "memory: unknown key 'offload'"),
+        ({"offload": 1}, "memory.offload must be bool"),
+        ({"prefetch": True}, "memory: unknown key 'prefetch'"),
     ]
     for section, message in bad:
         with pytest.raises(recipe.RecipeError) as e:
@@ -99,13 +109,11 @@ def test_exchange_stages_are_not_recomputed_under_expert_parallelism():
     policy = MemoryPolicy(recompute="full")
     by_role = {s.role: s for s in model.stages}
     ep = StageContext(groups={"ep": object()})
-    assert {r: policy.recompute_of(s, StageContext()) for r, s in by_role.items()} == dict.fromkeys(
+    assert {r: policy.stage_mode(s, StageContext()) for r, s in by_role.items()} == dict.fromkeys(
         by_role, "full"
     )
-    assert [r for r, s in by_role.items() if policy.recompute_of(s, ep) == "none"] == ["dispatch", "combine"]
-    assert (
-        MemoryPolicy(recompute="full", recompute_roles=("mlp",)).recompute_of(by_role["attn"], ep) == "none"
-    )
+    assert [r for r, s in by_role.items() if policy.stage_mode(s, ep) == "none"] == ["dispatch", "combine"]
+    assert MemoryPolicy(recompute="full", recompute_roles=("mlp",)).stage_mode(by_role["attn"], ep) == "none"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,8 +126,27 @@ def test_recompute_gives_bitwise_the_losses_and_gradients_of_none(window):
     batch = random_batch(cfg, 4, 8, seed=5)
     ref = R.run_sequential(model, params, batch, 4, memory=MemoryPolicy(merge_window=window))
     for policy in RECOMPUTING:
-        policy = MemoryPolicy(window, policy.recompute, policy.recompute_roles)
+        policy = dataclasses.replace(policy, merge_window=window)
         assert not differences(R.run_sequential(model, params, batch, 4, memory=policy), ref), policy
+
+
+def test_offload_moves_the_saved_tensors_and_keeps_the_stages_own(monkeypatch):
+    cfg, model, params = setup(layers=2)
+    batch = random_batch(cfg, 2, 8, seed=5)
+    copied = []
+    host = offload._Host
+
+    def counting(t, stream):
+        copied.append(t)
+        return host(t, stream)
+
+    monkeypatch.setattr(offload, "_Host", counting)
+    R.run_sequential(model, params, batch, 2)
+    assert not copied
+    R.run_sequential(model, params, batch, 2, memory=MemoryPolicy(offload=True))
+    assert len(copied) > 20
+    own = {p.untyped_storage().data_ptr() for p in params.values()}
+    assert not any(t.untyped_storage().data_ptr() in own for t in copied), "a parameter was offloaded"
 
 
 def _run_capturing_expert_gemms(model, params, batch, window, monkeypatch):
@@ -271,6 +298,7 @@ def test_recompute_keeps_less_than_none_and_the_merge_window_bounds_the_expert_o
 def pipeline_worker(rank: int, world: int, group) -> dict:
     from fmoe import interpreter as I
 
+    offload.MIN_BYTES = 0  # as ``offload_everything`` does in the test's own process
     cfg, model, params = setup(layers=4)
     batch = random_batch(cfg, 4, 8, seed=5)
     out = {}
@@ -298,6 +326,7 @@ def mesh_worker(rank: int, world: int, group, sizes) -> dict:
     import torch.distributed as dist
 
     pp, dp, cp, ep = sizes
+    offload.MIN_BYTES = 0  # as ``offload_everything`` does in the test's own process
     cfg, model, _ = setup()
     batch = random_batch(cfg, dp * ep * 2 * 2, 8, seed=5)
     mesh = build_mesh(pp, dp, cp, ep)
@@ -322,7 +351,7 @@ def mesh_worker(rank: int, world: int, group, sizes) -> dict:
     for window in (0, 1):
         ref, ref_exchanges = step(MemoryPolicy(merge_window=window))
         for p in RECOMPUTING:
-            got, n = step(MemoryPolicy(window, p.recompute, p.recompute_roles))
+            got, n = step(dataclasses.replace(p, merge_window=window))
             out[f"{p} window {window}"] = (differences(got, ref), n, ref_exchanges)
     return out
 
@@ -361,10 +390,6 @@ def test_throughput_benchmark_runs_its_fmoe_sides_under_the_policy_it_is_given(m
     result = train_throughput.main([*args, *options, "--sides", "fmoe,fmoe_recompute_selective"])
     policy = MemoryPolicy(merge_window=1, recompute="full", recompute_roles=("attn", "mlp"))
     assert set(seen) == {policy, MemoryPolicy(recompute="selective")}
-    assert result["shape"]["memory"] == {
-        "merge_window": 1,
-        "recompute": "full",
-        "recompute_roles": ("attn", "mlp"),
-    }
+    assert result["shape"]["memory"] == dataclasses.asdict(policy)
     with pytest.raises(SystemExit):
         train_throughput.main([*args, "--recompute", "most"])

@@ -55,7 +55,9 @@ class _Host:
         self.back: weakref.ref | None = None
 
     def restore(self) -> Tensor:
-        t = self.back() if self.back is not None else None
+        t = self.original()  # still alive (an output handed on): no copy back
+        if t is None and self.back is not None:
+            t = self.back()
         if t is not None:
             return t
         t = torch.empty_strided(

@@ -35,6 +35,9 @@ class _Region:
         self.value: Tensor | None = None
 
     def recomputed(self) -> Tensor:
+        out = self.out()
+        if out is not None:  # still alive (e.g. handed to the next stage): nothing to recompute
+            return out
         if self.value is None:  # once per region: several GEMMs may save the same output
             with torch.no_grad():
                 self.value = self.fn(*self.args)

@@ -9,19 +9,21 @@
 merge_window (pp = 1, ``fmoe.runner.execute``): the expert weight GEMMs of a layer are merged over
 the micro-batches of one window (consecutive micro-batches, at most ``merge_window`` of them) and
 run at the window's last B of that layer, so a micro-batch's expert inputs and output gradients
-live at most until then. 0 merges the whole step (the fastest, the most memory: every micro-batch's
+live at most until then (their merged GEMM, one per window, adds into the gradient: only the
+order of the summation differs from another window). 0 merges the whole step (the fastest, the most memory: every micro-batch's
 expert GEMM operands live until the step's end); 1 runs each micro-batch's expert W right after
 its B. Pipelined steps (pp > 1) run W where their table says and do not merge.
 
-recompute, per stage (``recomputes``), in ``fmoe.stage``:
+recompute, per stage (``stage_mode``, carried out by ``fmoe.stage.forward``):
 - "none": F keeps what autograd saves for B (today's behaviour);
 - "full": F keeps only the stage's inputs and parameters (alive anyway: the ownership rules of
   ``fmoe.stage``) and discards what autograd saves; just before B it re-runs the stage's forward on
   them with the same context, and B differentiates that fresh graph. A stage's randomness derives
   from its context (``StageContext``), so the re-run computes bitwise the same tensors;
 - "selective": F keeps the stage's saved tensors except the outputs of its recomputable regions
-  (``fmoe.stages.primitives.recomputable``: norms, SwiGLU / GELU), which B recomputes from the
-  regions' inputs when it first needs them. Every GEMM input that is not such an output is kept.
+  (``fmoe.stages.recompute.recomputable``: the RMSNorms and SwiGLUs of ``fmoe.stages.layers``),
+  which B recomputes from the regions' inputs when it first needs them. Every other saved tensor
+  (every GEMM input that is not such an output) is kept.
 offload: the saved tensors of every stage that is not recomputed go to (pinned) host memory after
 F and come back when B needs them (``fmoe.offload``).
 Losses and gradients are bitwise those of "none": the same operations on the same values.

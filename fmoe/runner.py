@@ -171,9 +171,9 @@ def forward_stage(
     """F of model stage ``index`` for the step's micro-batch number ``microbatch`` (``ctx`` its
     context): its inputs (the carry, then the batch fields it names), the forward, its loss terms
     into ``terms`` (row ``microbatch``), its statistics into
-    ``statistics`` (if given); observe(index, inputs) runs first if given; memory: the step's memory
-    policy (whether the stage is recomputed or offloaded; None: neither). Returns (the carry for the next stage,
-    what B needs)."""
+    ``statistics`` (if given); observe(index, inputs) runs first if given; memory: the step's
+    memory policy (whether the stage is recomputed or offloaded; None: neither). Returns (the carry
+    for the next stage, what B needs)."""
     inputs = stage_inputs(stage, carry, batch)
     if observe is not None:
         observe(index, inputs)

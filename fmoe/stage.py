@@ -12,7 +12,7 @@ parameters used outside deferrable primitives (norm weights, embeddings); the we
 taped GEMMs. Nothing is recomputed unless F is asked to (below): B + W then do exactly the work
 of one backward.
 
-Recomputation (``forward``'s ``recompute``, chosen per stage by ``fmoe.memory_policy``): "full" runs
+Recomputation (``forward``'s ``mode``, chosen per stage by ``fmoe.memory_policy``): "full" runs
 F with autograd on (the very kernels of a plain F) but keeps nothing it would save, only the stage's
 inputs and parameters (alive anyway, rule 1 below) and their version counters; B first checks those
 counters (an input or parameter written in place since F raises ``StageError`` naming it: the re-run

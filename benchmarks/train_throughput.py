@@ -11,6 +11,10 @@ fused AdamW) for --steps steps after --warmup steps:
          argsort permutation, parameters in bf16, torch.optim.AdamW(fused=True) on them) - so its
          optimizer moves half the bytes of fmoe's fp32-master step;
   fmoe_fp8: fmoe with FP8 GEMMs for the attention projections and experts (--sides to pick).
+Every fmoe side runs under the memory policy of --recompute, --recompute-roles and --merge-window
+(``fmoe.memory_policy``; default: none, all roles, the whole step), except the fmoe_recompute_* and
+fmoe_window1 sides, which set their own, so one call measures the policies side by side:
+    python -m benchmarks.train_throughput --microbatches 8 --sides fmoe,fmoe_recompute_full,fmoe_recompute_selective,fmoe_window1
 Model FLOPs per token = 6 x active parameters (attention projections, top-k experts' SwiGLU, router,
 LM head) + causal attention's score and value GEMMs (fwd + bwd = 3 x fwd, halved by the mask);
 model TFLOP/s = FLOPs per step / step time; MFU against 989 TFLOP/s dense bf16.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import pathlib
 import sys
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from benchmarks import bench_stages
 from benchmarks.common import time_ms, write_result
 from fmoe import optim, runner
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages import qwen3_moe
 
 PEAK_TFLOPS = 989.0
@@ -148,9 +154,9 @@ def eager_step_fn(cfg, device, dtype):
 # fmoe
 
 
-def fmoe_fp8_step_fn(cfg, device, dtype):
+def fmoe_fp8_step_fn(cfg, device, dtype, memory: MemoryPolicy | None = None):
     """fmoe with its FP8 GEMMs (attention projections and experts; router and head stay bf16)."""
-    return fmoe_step_fn(cfg, device, dtype, fp8=True)
+    return fmoe_step_fn(cfg, device, dtype, fp8=True, memory=memory)
 
 
 # fmoe with one of its speed-ups taken out (or, last, FP8 for the expert GEMMs alone), to measure
@@ -164,6 +170,11 @@ FMOE_VARIANTS = {
     "fmoe_graphs": {"cuda_graphs": True},
     "fmoe_fp8_graphs": {"fp8": True, "cuda_graphs": True},
     "fmoe_fp8_experts_graphs": {"fp8": True, "fp8_dense": False, "cuda_graphs": True},
+    # memory policies (issue 25): each stage's F re-run before its B; the norms' and SwiGLU outputs
+    # recomputed; each micro-batch's expert weight GEMMs right after its B (no merging over the step)
+    "fmoe_recompute_full": {"memory": MemoryPolicy(recompute="full")},
+    "fmoe_recompute_selective": {"memory": MemoryPolicy(recompute="selective")},
+    "fmoe_window1": {"memory": MemoryPolicy(merge_window=1)},
 }
 
 
@@ -258,6 +269,7 @@ def fmoe_step_fn(
     fp32_grads: bool = False,
     fp8_dense: bool = True,
     cuda_graphs: bool = False,
+    memory: MemoryPolicy | None = None,
 ):
     from fmoe.cuda_graphs import GraphedStep
     from fmoe.stages import layers
@@ -278,6 +290,7 @@ def fmoe_step_fn(
                 {"tokens": tokens, "labels": labels},
                 tokens.shape[0] // micro_batch,
                 merge_expert_grads=merge_expert_grads,
+                memory=memory,
             )
         del compute
         # the optimizer reads the bf16 gradients as they are (its kernel widens them to fp32)
@@ -332,8 +345,22 @@ def main(argv=None) -> dict:
         action="store_true",
         help="cProfile one step of each side: the host functions that take the most time",
     )
+    ap.add_argument(
+        "--recompute", default="none", help="the fmoe sides' recomputation: none, full, selective"
+    )
+    ap.add_argument(
+        "--recompute-roles", default="", help="comma list of stage roles it applies to (default: all)"
+    )
+    ap.add_argument(
+        "--merge-window", type=int, default=0, help="expert W merged over this many micro-batches (0: all)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        roles = tuple(r.strip() for r in args.recompute_roles.split(",") if r.strip())
+        policy = MemoryPolicy(args.merge_window, args.recompute, roles)
+    except ValueError as e:
+        ap.error(str(e).replace("MemoryPolicy.", "--").replace("_", "-"))
     cfg = qwen3_moe.Qwen3MoeConfig(num_hidden_layers=args.layers, **(TINY if args.tiny else SHAPE))
     seq = 32 if args.tiny else args.seq
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -357,6 +384,7 @@ def main(argv=None) -> dict:
         "micro_batch": args.micro_batch,
         "microbatches_per_step": args.microbatches,
         "dtype": str(dtype),
+        "memory": dataclasses.asdict(policy),  # of the fmoe sides that do not set their own
         **(TINY if args.tiny else SHAPE),
     }
 
@@ -379,10 +407,12 @@ def main(argv=None) -> dict:
     results = {}
     for i, side in enumerate(sides):
         if side in FMOE_VARIANTS:
-            step = fmoe_step_fn(cfg, args.device, dtype, **FMOE_VARIANTS[side])
+            step = fmoe_step_fn(cfg, args.device, dtype, **{"memory": policy, **FMOE_VARIANTS[side]})
+        elif side == "eager":
+            step = eager_step_fn(cfg, args.device, dtype)
         else:
-            make = {"eager": eager_step_fn, "fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
-            step = make(cfg, args.device, dtype)
+            make = {"fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
+            step = make(cfg, args.device, dtype, memory=policy)
         step = functools.partial(step, micro_batch=args.micro_batch)
         ms = time_ms(
             lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device

@@ -44,6 +44,7 @@ from fmoe import dist as D
 from fmoe import pipeline as P
 from fmoe import runner as R
 from fmoe.fb_order import FB_ORDER, FBStep, parse_fb_order, role
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.p2p import Channel
 from fmoe.schedules.table import (
     Action,
@@ -66,9 +67,9 @@ from fmoe.stages.spec import Model, StageContext
 class _Rank:
     """Everything one rank keeps while it runs its rows."""
 
-    def __init__(self, schedule, model, params, batch, group, rank, seed, groups, timeout_s):
+    def __init__(self, schedule, model, params, batch, group, rank, seed, groups, timeout_s, memory=None):
         self.s, self.model, self.params, self.group, self.rank = schedule, model, params, group, rank
-        self.timeout_s = timeout_s
+        self.timeout_s, self.memory = timeout_s, memory
         self.microbatches = R.split_microbatches(batch, schedule.microbatches)
         self.ctxs = [
             StageContext(microbatch=m, seed=seed, groups=groups) for m in range(schedule.microbatches)
@@ -123,7 +124,7 @@ class _Forward:
         mb = self.mb
         self.carry, fwd = R.forward_stage(
             mb, i, st.model.stages[i], st.params, self.carry, st.microbatches[mb], st.ctxs[mb],
-            st.terms, st.statistics,
+            st.terms, st.statistics, memory=st.memory,
         )  # fmt: skip
         self.fwds.append(fwd)
 
@@ -334,6 +335,7 @@ def run_schedule(
     reduce_shared: bool = True,
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
     hooks: R.StepHooks | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> R.StepResult:
     """Run this rank's rows of ``schedule``; return the step's loss and this rank's gradients.
 
@@ -345,7 +347,8 @@ def run_schedule(
     gradients of parameters several ranks hold (DualPipe copies, tied embeddings) here, so every
     holder gets the total; hooks: called around each of this rank's rows (``rank_actions``; k is
     the row's index there), e.g. to gather a chunk's parameters before its first use and take its
-    gradients after its last W (``fmoe.parallel``); names it takes are absent from the result.
+    gradients after its last W (``fmoe.parallel``); names it takes are absent from the result;
+    memory: each stage's recomputation (``fmoe.memory_policy``; the merge window is pp = 1's).
     Returns StepResult(loss [] float32, {name: grad} for this rank's params, per-microbatch losses,
     the statistics of this rank's stages summed over its microbatches).
     Raises ScheduleError (every rank, nothing run) for an invalid table; PipelineError when any rank
@@ -357,7 +360,7 @@ def run_schedule(
         raise ScheduleError(f"schedule pp={schedule.pp} but the pipeline group has {size} ranks")
     schedule = _checked_and_lowered(schedule)
     order = parse_fb_order(fb_order) if isinstance(fb_order, str) else tuple(fb_order)
-    st = _Rank(schedule, model, params, batch, group, rank, seed, dict(stage_groups or {}), timeout_s)
+    st = _Rank(schedule, model, params, batch, group, rank, seed, dict(stage_groups or {}), timeout_s, memory)
     names = P.local_param_names(model, schedule, rank=rank)
     if hooks is not None:
         taken = {n for ns in hooks.take.values() for n in ns}

@@ -41,6 +41,15 @@ def reset_peak(device: torch.device) -> int:
     return _status_bytes("VmRSS")
 
 
+def current_bytes(device: torch.device) -> int:
+    """The bytes in use now (CUDA: allocated tensors; CPU: resident set), comparable with
+    ``reset_peak``'s baseline."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return _status_bytes("VmRSS")
+
+
 def peak_bytes(device: torch.device) -> int:
     """The most bytes in use since the last ``reset_peak`` (CUDA: allocated tensors; CPU: resident set)."""
     if device.type == "cuda":

@@ -65,6 +65,7 @@ from fmoe import dist as D
 from fmoe import runner
 from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, world_statistics
 from fmoe.gather_plan import GatherPlan, UnitGathers, per_unit, step_gather_plan
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import Mesh
 from fmoe.sharding import ShardInfo
 from fmoe.stages.context_parallel import split_batch
@@ -107,6 +108,7 @@ def _local_step(
     mesh: Mesh,
     seed: int,
     hooks: runner.StepHooks | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> runner.StepResult:
     """pp = 1: every stage on this rank, through the micro-batch executor (``runner.execute``).
 
@@ -120,20 +122,23 @@ def _local_step(
         for i in range(num_microbatches)
     ]
     losses, grads = runner.execute(
-        model, params, microbatches, contexts, 1.0 / num_microbatches, statistics=statistics, hooks=hooks
-    )
+        model, params, microbatches, contexts, 1.0 / num_microbatches, statistics=statistics, hooks=hooks,
+        memory=memory,
+    )  # fmt: skip
     return runner.StepResult(runner.mean_loss(losses), grads, losses, statistics)
 
 
-def _run(model, params, batch, num_microbatches, mesh, schedule, seed, timeout_s, hooks) -> runner.StepResult:
+def _run(
+    model, params, batch, num_microbatches, mesh, schedule, seed, timeout_s, hooks, memory=None
+) -> runner.StepResult:
     """This rank's share of a step: the pipeline interpreter for pp > 1, else the executor."""
     if mesh.pp == 1:
-        return _local_step(model, params, batch, num_microbatches, mesh, seed, hooks)
+        return _local_step(model, params, batch, num_microbatches, mesh, seed, hooks, memory)
     from fmoe.interpreter import run_schedule
 
     return run_schedule(
         schedule, model, params, batch, mesh.group("pp"), seed=seed, stage_groups=mesh.stage_groups(),
-        timeout_s=timeout_s, hooks=hooks,
+        timeout_s=timeout_s, hooks=hooks, memory=memory,
     )  # fmt: skip
 
 
@@ -153,6 +158,7 @@ def parallel_step(
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
     gather: str = "chunk",
     plan: GatherPlan | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> ShardedStep:
     """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards;
     the step's statistics summed over the world, see ``ShardedStep``).
@@ -165,12 +171,13 @@ def parallel_step(
     pipeline chunk, wherever a parameter is sharded and fp8 is off) or "step" (all at once), see
     the module docstring; both give bitwise the same results; plan: the "chunk" policy's plan,
     ``step_gather_plan(model, mesh, num_microbatches, schedule)`` (made here when None: a pass over
-    every use of every parameter, which a trainer makes once). The gradient shards are fp32 where
+    every use of every parameter, which a trainer makes once); memory: recomputation, offloading and
+    the expert W merge window (``fmoe.memory_policy``; None: the defaults). The gradient shards are fp32 where
     they were summed over ranks, else in the compute dtype.
     """
     scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
     run = functools.partial(_run, model, batch=local_batch(batch, mesh), num_microbatches=num_microbatches,
-                            mesh=mesh, schedule=schedule, seed=seed, timeout_s=timeout_s)  # fmt: skip
+                            mesh=mesh, schedule=schedule, seed=seed, timeout_s=timeout_s, memory=memory)  # fmt: skip
     if per_unit(gather, fp8, any(info.size > 1 for info in infos.values())):
         plan = plan if plan is not None else step_gather_plan(model, mesh, num_microbatches, schedule)
         gathers = UnitGathers(shards, infos, mesh, dtype, model.buffers, plan, scale)

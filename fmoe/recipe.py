@@ -7,6 +7,7 @@
 [parallel]   pp, dp, cp, ep sizes and the pipeline schedule (a generator name or a CSV file)
 [checkpoint] folder, interval, how many to keep
 [log]        folder, interval
+[memory]     merge window of the expert weight GEMMs, recomputation (``fmoe.memory_policy.MemoryPolicy``)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from fmoe.memory_policy import MemoryPolicy  # torch-free until a policy is built
 
 if TYPE_CHECKING:  # torch is imported lazily: reading a recipe never needs it
     from fmoe.stages.family import Family
@@ -117,6 +120,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    memory: MemoryPolicy = field(default_factory=MemoryPolicy)
     path: str = ""
 
 
@@ -127,6 +131,7 @@ SECTIONS = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,
+    "memory": MemoryPolicy,
 }
 
 

@@ -18,13 +18,14 @@ every parallel feature is tested against.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from fmoe import stage as S
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages.primitives import GroupedWeightGrad, merge_grouped_weight_grads
 from fmoe.stages.spec import Model, Stage, StageContext
 
@@ -165,16 +166,19 @@ def forward_stage(
     terms: LossTerms,
     statistics: dict[str, Tensor] | None = None,
     observe: Callable[[int, tuple[Tensor, ...]], None] | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> tuple[tuple[Tensor, ...], S.Forwarded]:
     """F of model stage ``index`` for the step's micro-batch number ``microbatch`` (``ctx`` its
     context): its inputs (the carry, then the batch fields it names), the forward, its loss terms
     into ``terms`` (row ``microbatch``), its statistics into
-    ``statistics`` (if given); observe(index, inputs) runs first if given. Returns (the carry for the
-    next stage, what B needs)."""
+    ``statistics`` (if given); observe(index, inputs) runs first if given; memory: the step's
+    memory policy (whether the stage is recomputed or offloaded; None: neither). Returns (the carry
+    for the next stage, what B needs)."""
     inputs = stage_inputs(stage, carry, batch)
     if observe is not None:
         observe(index, inputs)
-    outputs, fwd = S.forward(stage, params, inputs, ctx)
+    mode = "none" if memory is None else memory.stage_mode(stage, ctx)
+    outputs, fwd = S.forward(stage, params, inputs, ctx, mode)
     carry, stage_terms = split_outputs(stage, outputs)
     terms.record(microbatch, index, stage_terms)
     if statistics is not None:
@@ -298,6 +302,16 @@ class StepHooks:
     taken: Callable[[dict[str, Tensor]], None]
 
 
+def run_merged(
+    grads: dict[str, Tensor], merge_later: dict[str, list[GroupedWeightGrad]] | None, names: Iterable[str]
+) -> None:
+    """Run the merged expert GEMMs ``merge_later`` holds for ``names`` into the accumulator ``grads``
+    (a merge window's end, or a gradient taken)."""
+    if merge_later:
+        pending = {n: merge_later.pop(n) for n in names if n in merge_later}
+        accumulate(grads, merged_weight_grads(pending))
+
+
 def take_grads(
     grads: dict[str, Tensor],
     merge_later: dict[str, list[GroupedWeightGrad]] | None,
@@ -306,9 +320,7 @@ def take_grads(
 ) -> dict[str, Tensor]:
     """Pop the final gradients of ``names`` from an accumulator: their merged expert GEMMs added,
     zeros where no gradient flowed (shaped and typed like ``params[n]``, whose data is not read)."""
-    if merge_later:
-        pending = {n: merge_later.pop(n) for n in names if n in merge_later}
-        accumulate(grads, merged_weight_grads(pending))
+    run_merged(grads, merge_later, names)
     return {n: grads.pop(n) if n in grads else torch.zeros_like(params[n]) for n in names}
 
 
@@ -343,6 +355,7 @@ def execute(
     statistics: dict[str, Tensor] | None = None,
     observe: Callable[[int, tuple[Tensor, ...]], None] | None = None,
     hooks: StepHooks | None = None,
+    memory: MemoryPolicy | None = None,
 ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """The micro-batch executor: run ``microbatch_plan`` over ``execution_units`` in one process;
     return (each microbatch's loss, {name: gradient} summed over the microbatches).
@@ -351,14 +364,18 @@ def execute(
     microbatches: the batches ({"tokens": [b, s], "labels": [b, s], "positions": [s]}), contexts: one
     StageContext each; loss_scale: the seed of every loss output (1 / microbatches, or less when the
     caller averages over ranks too); merge_expert_grads: run each expert weight GEMM once over all
-    microbatches' rows, when the parameter's last W has run, instead of once per microbatch;
-    statistics: if given, every stage's statistic outputs are added into it; observe(stage index,
-    inputs): called before each stage's F (e.g. to log routing); hooks: see ``StepHooks`` (k counts
-    the plan's steps). The returned gradients hold every parameter that ``hooks`` did not take
-    (zeros where none flowed; none missing), in model order.
+    microbatches' rows of a merge window (``memory.merge_window``; 0: the step), at the window's
+    last B of the parameter's unit, instead of once per microbatch; statistics: if given, every
+    stage's statistic outputs are added into it; observe(stage index, inputs): called before each
+    stage's F (e.g. to log routing); hooks: see ``StepHooks`` (k counts the plan's steps); memory:
+    the merge window and each stage's recomputation (``fmoe.memory_policy``; None: the defaults).
+    The returned gradients hold every parameter that ``hooks`` did not take (zeros where none
+    flowed; none missing), in model order.
     Per parameter, gradients add up in microbatch order whatever the hooks, so the results do not
-    depend on them bitwise.
+    depend on them bitwise; nor on the recomputation; the merge window changes only the order in
+    which an expert gradient's terms are summed (one GEMM per window, the windows added in order).
     """
+    memory = memory or MemoryPolicy()
     units = execution_units(model)
     plan = microbatch_plan(len(units), len(microbatches))
     grads: dict[str, Tensor] = {}
@@ -374,8 +391,9 @@ def execute(
         if step.phase == "F":
             for i in units[step.unit]:
                 carry, fwds[i] = forward_stage(
-                    step.microbatch, i, model.stages[i], params, carry, mb, ctx, terms, statistics, observe
-                )
+                    step.microbatch, i, model.stages[i], params, carry, mb, ctx, terms, statistics, observe,
+                    memory,
+                )  # fmt: skip
             if step.unit == len(units) - 1:
                 carry = ()  # B starts from the loss outputs alone
             return
@@ -385,7 +403,10 @@ def execute(
             carry, work = backward_stage(fwd, carry, loss_scale)
             works.append(work)
         weight_grads(works[::-1], merge_later, into=grads)
+        if memory.merge_closes(step.microbatch, len(microbatches)):  # this unit's window ends
+            run_merged(grads, merge_later, unit_params[step.unit])
 
+    unit_params = [{n for i in unit for n in model.stages[i].params} for unit in units]
     taken = run_steps(len(plan), run_step, hooks, lambda names: take_grads(grads, merge_later, params, names))
     rest = [n for n in model.param_names() if n not in taken]
     losses = [terms.loss(m) for m in range(len(microbatches))]
@@ -399,6 +420,7 @@ def run_sequential(
     num_microbatches: int = 1,
     seed: int = 0,
     merge_expert_grads: bool = True,
+    memory: MemoryPolicy | None = None,
 ) -> StepResult:
     """One training step's loss and gradients (``execute``: per microbatch F of all stages, then B
     last to first, each layer's W after its B).
@@ -406,14 +428,15 @@ def run_sequential(
     batch: {"tokens": [b, s] int64, "labels": [b, s] int64, optional "positions"}.
     merge_expert_grads: run the expert-grouped weight GEMMs once for the whole step over all its
     microbatches' rows (``merge_grouped_weight_grads``) instead of once per microbatch plus an add;
-    the inputs and output gradients of those GEMMs are then held until the step's end.
+    the inputs and output gradients of those GEMMs are then held until the step's end (or the end
+    of ``memory.merge_window`` micro-batches); memory: see ``execute``.
     """
     microbatches = split_microbatches(batch, num_microbatches)
     contexts = [StageContext(microbatch=i, seed=seed) for i in range(num_microbatches)]
     statistics: dict[str, Tensor] = {}
     losses, grads = execute(
         model, params, microbatches, contexts, 1.0 / num_microbatches,
-        merge_expert_grads=merge_expert_grads, statistics=statistics,
+        merge_expert_grads=merge_expert_grads, statistics=statistics, memory=memory,
     )  # fmt: skip
     return StepResult(mean_loss(losses), grads, losses, statistics)
 

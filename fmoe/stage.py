@@ -9,7 +9,18 @@ tensors are never mutated and the returned outputs are detached), so each call's
 private to it. B differentiates that graph with respect to the floating-point inputs, and to the
 parameters used outside deferrable primitives (norm weights, embeddings); the weight GEMMs of
 ``linear``/``grouped_linear`` go on a tape instead (see ``fmoe.stages.primitives``). W runs the
-taped GEMMs. Nothing is recomputed: B + W do exactly the work of one backward.
+taped GEMMs. Nothing is recomputed unless F is asked to (below): B + W then do exactly the work
+of one backward.
+
+Recomputation (``forward``'s ``mode``, chosen per stage by ``fmoe.memory_policy``): "full" runs
+F with autograd on (the very kernels of a plain F) but keeps nothing it would save, only the stage's
+inputs and parameters (alive anyway, rule 1 below) and their version counters; B first checks those
+counters (an input or parameter written in place since F raises ``StageError`` naming it: the re-run
+would differentiate other values), re-runs F on them with the same context and differentiates that
+fresh graph. "selective" keeps every saved tensor except the outputs of the stage's
+``fmoe.stages.recompute.recomputable`` blocks, which B recomputes. Either way B sees the same values
+as without recomputation, so its results are bitwise the same. "offload" keeps the saved tensors in
+host memory between F and B (``fmoe.offload``): B reads copies of the same values and layouts.
 
 Why autograd and not ``torch.func.vjp``: a vjp materialises a zero gradient for every deferred
 weight (a weight-sized write per stage call) and, measured on this CPU, costs 155 us per call
@@ -61,6 +72,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from fmoe.offload import offloaded
 from fmoe.stages.primitives import (
     DenseWeightGrad,
     GroupedWeightGrad,
@@ -68,6 +80,7 @@ from fmoe.stages.primitives import (
     defer_weight_grads,
     non_overlapping,
 )
+from fmoe.stages.recompute import recompute_outputs
 from fmoe.stages.spec import Stage, StageContext
 
 
@@ -100,6 +113,46 @@ class Forwarded:
     param_leaves: dict[str, Tensor]  # global name -> leaf
     custom_saved: Any = None
     tape: WeightGradTape | None = None
+    kept: Kept | None = None  # full recomputation: what B re-runs F on (then no graph is kept)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What F keeps under full recomputation: the stage's parameters and inputs (the caller's
+    tensors, read-only by rule 1) and the version counter of each when F read it."""
+
+    params: dict[str, Tensor]  # global name -> tensor
+    inputs: tuple[Tensor, ...]
+    versions: tuple[int, ...]  # params' then inputs' ``_version``
+
+    @staticmethod
+    def of(params: dict[str, Tensor], inputs: Sequence[Tensor]) -> Kept:
+        tensors = (*params.values(), *inputs)
+        return Kept(dict(params), tuple(inputs), tuple(t._version for t in tensors))
+
+    def check(self, stage: Stage) -> None:
+        """Raise ``StageError`` if a kept tensor was written in place since F read it."""
+        names = [f"parameter {n!r}" for n in self.params] + [f"input {i}" for i in range(len(self.inputs))]
+        for name, t, seen in zip(names, (*self.params.values(), *self.inputs), self.versions, strict=True):
+            if t._version != seen:
+                raise StageError(
+                    f"stage {stage.name!r}: its {name} was written in place between F and B (version "
+                    f"{seen} -> {t._version}); a recompute would differentiate other values than F's"
+                )
+
+
+_SAVING = {  # the saved-tensor hooks of a mode that keeps the graph, given the stage's own tensors
+    "selective": lambda keep: recompute_outputs(),
+    "offload": offloaded,
+}
+
+
+def _drop(t: Tensor) -> None:
+    return None  # full recomputation: F keeps nothing autograd would save
+
+
+def _dropped(_: None) -> Tensor:
+    raise StageError("a graph made under full recomputation was differentiated (it keeps no tensors)")
 
 
 @dataclass
@@ -179,14 +232,32 @@ def call(
 
 
 def forward(
-    stage: Stage, params: Mapping[str, Tensor], inputs: Sequence[Tensor], ctx: StageContext
+    stage: Stage,
+    params: Mapping[str, Tensor],
+    inputs: Sequence[Tensor],
+    ctx: StageContext,
+    mode: str = "none",
 ) -> tuple[tuple[Tensor, ...], Forwarded]:
     """F: run the stage; return its (detached) outputs and what B needs.
 
     params: {global name: tensor} (may hold more than the stage's); inputs: the previous stage's
-    outputs followed by the stage's batch fields.
+    outputs followed by the stage's batch fields; mode: what F does with what autograd saves,
+    "none" (keeps it), "full" or "selective" (recomputation, see the module docstring) or
+    "offload" (``fmoe.offload``); a ``CustomGrad`` stage is always run as "none".
     """
     own = stage_params(stage, params)
+    if stage.custom is None and mode != "none":
+        if mode == "full":
+            with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+                outputs, _ = forward(stage, own, inputs, ctx)
+            return outputs, Forwarded(stage, ctx, outputs, (), {}, kept=Kept.of(own, inputs))
+        if mode not in _SAVING:
+            raise StageError(
+                f"stage {stage.name!r}: mode must be 'none', 'full', 'selective' or 'offload', got {mode!r}"
+            )
+        keep = [t for t in (*own.values(), *inputs) if isinstance(t, Tensor)]
+        with _SAVING[mode](keep):
+            return forward(stage, own, inputs, ctx)
     if stage.custom is not None:
         local = _StageParams(stage, {stage.local_name(n): t for n, t in own.items()})
         outputs, saved = stage.custom.forward(local, tuple(inputs), ctx)
@@ -232,6 +303,9 @@ def backward_input(
     ``weight * loss_scale`` (the runner passes 1 / microbatches); statistics get none.
     """
     stage = fwd.stage
+    if fwd.kept is not None:  # full recomputation: F again, on what it read, with the same context
+        fwd.kept.check(stage)
+        _, fwd = forward(stage, fwd.kept.params, fwd.kept.inputs, fwd.ctx)
     grads_out = _grad_outputs(fwd, grad_outputs, loss_scale)
     if stage.custom is not None:
         local, saved = fwd.custom_saved

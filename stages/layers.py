@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fmoe.kernels._triton import use_triton
 from fmoe.stages.primitives import grouped_linear, linear
+from fmoe.stages.recompute import recomputable
 
 
 def _fused(t: Tensor) -> bool:
@@ -99,7 +100,12 @@ _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim, computed in float32 as Hugging Face does. x: [..., D], weight: [D].
     On CUDA one fused kernel each way (its single rounding of ``x * rstd * weight`` differs from
-    Hugging Face's two in the last bit of bf16)."""
+    Hugging Face's two in the last bit of bf16). Its output is recomputed in B, not kept, under
+    selective recomputation (``fmoe.stages.recompute``)."""
+    return recomputable(_rms_norm, x, weight, eps)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _fused(x) and x.stride(-1) == 1:
         return _FusedRMSNorm.apply(x, weight, eps)
     dtype = x.dtype
@@ -260,7 +266,12 @@ def load_balancing_loss(probs: Tensor, ids: Tensor, num_experts: int, group=None
 
 
 def swiglu(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up for gate_up [..., 2I] laid out as [gate | up] -> [..., I]."""
+    """silu(gate) * up for gate_up [..., 2I] laid out as [gate | up] -> [..., I]. Its output is
+    recomputed in B, not kept, under selective recomputation (``fmoe.stages.recompute``)."""
+    return recomputable(_swiglu, gate_up)
+
+
+def _swiglu(gate_up: Tensor) -> Tensor:
     if _fused(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         return _FusedSwiGLU.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

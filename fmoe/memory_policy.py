@@ -1,0 +1,102 @@
+"""How a step spends activation memory: the recipe's ``[memory]`` section, read by the executor.
+
+    [memory]
+    merge_window = 1           # expert weight GEMMs merged over at most 1 micro-batch (0: the whole step)
+    recompute = "full"         # "none" | "full" | "selective"
+    recompute_roles = ["mlp"]  # the stage roles it applies to (empty: every role)
+    offload = true             # the other stages' saved tensors wait in host memory (default false)
+
+merge_window (pp = 1, ``fmoe.runner.execute``): the expert weight GEMMs of a layer are merged over
+the micro-batches of one window (consecutive micro-batches, at most ``merge_window`` of them) and
+run at the window's last B of that layer, so a micro-batch's expert inputs and output gradients
+live at most until then (their merged GEMM, one per window, adds into the gradient: only the
+order of the summation differs from another window). 0 merges the whole step (the fastest, the most memory: every micro-batch's
+expert GEMM operands live until the step's end); 1 runs each micro-batch's expert W right after
+its B. Pipelined steps (pp > 1) run W where their table says and do not merge.
+
+recompute, per stage (``stage_mode``, carried out by ``fmoe.stage.forward``):
+- "none": F keeps what autograd saves for B (today's behaviour);
+- "full": F keeps only the stage's inputs and parameters (alive anyway: the ownership rules of
+  ``fmoe.stage``) and discards what autograd saves; just before B it re-runs the stage's forward on
+  them with the same context, and B differentiates that fresh graph. A stage's randomness derives
+  from its context (``StageContext``), so the re-run computes bitwise the same tensors;
+- "selective": F keeps the stage's saved tensors except the outputs of its recomputable regions
+  (``fmoe.stages.recompute.recomputable``: the RMSNorms and SwiGLUs of ``fmoe.stages.layers``),
+  which B recomputes from the regions' inputs when it first needs them. Every other saved tensor
+  (every GEMM input that is not such an output) is kept.
+offload: the saved tensors of every stage that is not recomputed go to (pinned) host memory after
+F and come back when B needs them (``fmoe.offload``).
+Losses and gradients are bitwise those of "none": the same operations on the same values.
+Under expert parallelism (an "ep" group in the stage's context) the "dispatch" and "combine" stages
+are never recomputed: they hold the all-to-all exchanges, which a recompute must not repeat. Every
+rank of a group runs the same policy, so the collectives a recompute does repeat (the context-
+parallel gathers, the router's all-reduced counts) stay matched across the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free: a recipe is read without it
+    from fmoe.stages.spec import Stage, StageContext
+
+__all__ = ["RECOMPUTE_MODES", "STAGE_MODES", "MemoryPolicy", "EXCHANGE_ROLES"]
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+# what a stage's F does with what autograd saves (``fmoe.stage.forward``): keep it, keep nothing and
+# recompute, recompute the marked blocks' outputs, offload it
+STAGE_MODES = (*RECOMPUTE_MODES, "offload")
+# the roles holding the expert-parallel all-to-all: never recomputed when an "ep" group exists
+EXCHANGE_ROLES = ("dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """The ``[memory]`` section (see the module docstring); validated here, errors name the field."""
+
+    merge_window: int = 0
+    recompute: str = "none"
+    recompute_roles: tuple[str, ...] = ()
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        from fmoe.stages.spec import ROLES  # torch: only once a policy is built
+
+        if (
+            isinstance(self.merge_window, bool)
+            or not isinstance(self.merge_window, int)
+            or self.merge_window < 0
+        ):
+            raise ValueError(
+                f"MemoryPolicy.merge_window must be an int >= 0 (0: the whole step), got {self.merge_window!r}"
+            )
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"MemoryPolicy.recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}"
+            )
+        unknown = [r for r in self.recompute_roles if r not in ROLES]
+        if unknown:
+            raise ValueError(
+                f"MemoryPolicy.recompute_roles: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})"
+            )
+
+    def stage_mode(self, stage: Stage, ctx: StageContext) -> str:
+        """What ``stage``'s F under ``ctx`` does with what autograd saves: one of ``STAGE_MODES``."""
+        if stage.custom is not None:
+            return "none"  # a CustomGrad stage's F saves what its own B reads
+        recomputed = (
+            self.recompute != "none"
+            and (not self.recompute_roles or stage.role in self.recompute_roles)
+            and not (
+                stage.role in EXCHANGE_ROLES and ctx.group("ep") is not None
+            )  # never repeat an all-to-all
+        )
+        if recomputed:
+            return self.recompute
+        return "offload" if self.offload else "none"
+
+    def merge_closes(self, microbatch: int, num_microbatches: int) -> bool:
+        """Whether ``microbatch`` is the last of its merge window (its B runs the window's merged W)."""
+        last = microbatch == num_microbatches - 1
+        return last or (self.merge_window > 0 and (microbatch + 1) % self.merge_window == 0)

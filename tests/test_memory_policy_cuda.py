@@ -1,0 +1,87 @@
+"""The memory policy on a GPU: recomputation and offloading change no bit with the fused kernels, and an
+offloaded tensor never comes back before its copy to the host has finished.
+
+Marked ``cuda`` (``TRITON_INTERPRET=0 python3 -m pytest -m cuda tests/test_memory_policy_cuda.py``).
+float32 and the math attention backend: every kernel of the step is then deterministic, so two runs
+of one policy are bitwise equal and any difference between policies is the policy's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_batch, tiny_config
+
+from fmoe import offload
+from fmoe import runner as R
+from fmoe.memory_policy import MemoryPolicy
+from fmoe.stages import qwen3_moe
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+POLICIES = [
+    MemoryPolicy(recompute="full"),
+    MemoryPolicy(recompute="selective"),
+    MemoryPolicy(offload=True),
+    MemoryPolicy(merge_window=1, recompute="selective", recompute_roles=("mlp",), offload=True),
+]
+
+
+@pytest.fixture(autouse=True)
+def offload_everything(monkeypatch):
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the small tensors too: every copy is checked
+
+
+def step(policy: MemoryPolicy | None = None) -> R.StepResult:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = tiny_config(num_hidden_layers=3, mlp_only_layers=(0,), hidden_size=256, moe_intermediate_size=512,
+                      intermediate_size=1024, num_attention_heads=4, head_dim=64)  # fmt: skip
+    model = qwen3_moe.build(cfg)
+    params = model.init(seed=1, device="cuda")
+    batch = {k: v.cuda() for k, v in random_batch(cfg, 4, 512, seed=5).items()}
+    with sdpa_kernel([SDPBackend.MATH]):
+        return R.run_sequential(model, params, batch, 4, memory=policy)
+
+
+def unequal(a: R.StepResult, b: R.StepResult) -> list[str]:
+    out = [] if torch.equal(a.loss, b.loss) else ["loss"]
+    return out + [n for n in a.grads if not torch.equal(a.grads[n], b.grads[n])]
+
+
+def test_every_policy_gives_bitwise_the_results_of_none_on_the_gpu():
+    ref = step()
+    assert not unequal(step(), ref), "the step itself is not deterministic here: no policy can be compared"
+    for policy in POLICIES:
+        window = MemoryPolicy(merge_window=policy.merge_window)
+        base = ref if policy.merge_window == 0 else step(window)
+        assert not unequal(step(policy), base), policy
+
+
+def _restore_without_waiting(self):
+    t = torch.empty_strided(self.host.shape, self.host.stride(), dtype=self.host.dtype, device=self.device)
+    t.copy_(self.host, non_blocking=True)  # no wait for the copy's event: what the test must catch
+    return t
+
+
+def test_an_offloaded_tensor_never_comes_back_before_its_copy_to_the_host(monkeypatch):
+    # the copy stream is held back ~1 s (a sleep queued before the step's copies), so every copy to
+    # the host is still pending when B asks for it: only the wait on its event gives B the values
+    ref = step()
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    monkeypatch.setitem(offload._STREAMS, device, stream)
+    policy = MemoryPolicy(offload=True)
+
+    def delayed() -> R.StepResult:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000_000)
+        return step(policy)
+
+    assert not unequal(delayed(), ref)
+    monkeypatch.setattr(offload._Host, "restore", _restore_without_waiting)
+    torch.cuda.synchronize()
+    assert unequal(delayed(), ref), "without the wait B still read the right values: the test proves nothing"

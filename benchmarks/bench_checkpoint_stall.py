@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import write_result
-from fmoe import checkpoint
+from fmoe import checkpoint, train
 from fmoe import recipe as R
-from fmoe import train as T
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "qwen3_30b_a3b.toml"
 H200 = {"model.num_hidden_layers": 4, "parallel.ep": 1, "train.global_batch": 8, "train.microbatches": 8,
@@ -96,7 +95,7 @@ def run(base: dict, root: Path, asynchronous: bool, steps: int, every: int) -> d
     recipe = R.load(RECIPE, overrides)
     with Timings(ckpt) as timings:
         t = time.perf_counter()
-        result = T.train(recipe)
+        result = train.train(recipe)
         loop_s = time.perf_counter() - t
     state_bytes = sum(f.stat().st_size for f in checkpoint.latest(ckpt).iterdir())
     shutil.rmtree(ckpt)

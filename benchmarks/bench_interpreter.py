@@ -19,7 +19,7 @@ import time
 import torch
 
 from fmoe import dist as D
-from fmoe import interpreter as I
+from fmoe import interpreter
 from fmoe import stage as S
 from fmoe.schedules.generators import generate
 from fmoe.schedules.verify import lower
@@ -73,9 +73,10 @@ def bench(rank: int, world: int, group, microbatches: int, num_stages: int, repe
     out = {}
     for name in ("1f1b", "zb-h1"):
         schedule = lower(generate(name, world, microbatches))
-        I.run_schedule(schedule, model, params, batch, group)  # warm-up
+        interpreter.run_schedule(schedule, model, params, batch, group)  # warm-up
         best = min(
-            _timed(lambda s=schedule: I.run_schedule(s, model, params, batch, group)) for _ in range(repeats)
+            _timed(lambda s=schedule: interpreter.run_schedule(s, model, params, batch, group))
+            for _ in range(repeats)
         )
         rows = len(schedule.actions[rank])
         compute = sum(a.kind in ("F", "B", "W", "BW", "FB") for a in schedule.actions[rank])

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fmoe.kernels import permute as P
+from fmoe.kernels import permute
 
 GOAL_SPEEDUP = 3.0
 
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="default: 20 on CUDA, 1 on CPU")
     p.add_argument("--iters", type=int, default=None, help="default: 200 on CUDA, 3 on CPU")
     p.add_argument(
-        "--block", type=int, default=P.DEFAULT_BLOCK, help="kernel block for the interpreter on CPU"
+        "--block", type=int, default=permute.DEFAULT_BLOCK, help="kernel block for the interpreter on CPU"
     )
     p.add_argument("--sweep-blocks", default="1024,2048,4096", help="CUDA only; empty string to skip")
     p.add_argument("--sweep-warps", default="4,8,16")
@@ -109,18 +109,20 @@ def main(argv: list[str] | None = None) -> dict:
     E, topk, T = args.experts, args.topk, args.tokens
     ids = routed_ids(T, topk, E, device, args.seed)
     n = ids.numel()
-    use_triton = P.HAS_TRITON and (ids.is_cuda or P.INTERPRETED)
+    use_triton = permute.HAS_TRITON and (ids.is_cuda or permute.INTERPRETED)
 
     if use_triton:
         # The dispatcher's defaults on CUDA; on CPU (interpreter) a caller-chosen block keeps it quick.
-        block = P.DEFAULT_BLOCK if cuda else args.block
-        sort = lambda inverse: P.expert_sort_triton(ids, E, check=False, return_inverse=inverse, block=block)
+        block = permute.DEFAULT_BLOCK if cuda else args.block
+        sort = lambda inverse: permute.expert_sort_triton(
+            ids, E, check=False, return_inverse=inverse, block=block
+        )
     else:
         block = None
-        sort = lambda inverse: P.expert_sort_reference(ids, E, return_inverse=inverse)
+        sort = lambda inverse: permute.expert_sort_reference(ids, E, return_inverse=inverse)
     check_sort(ids, E, sort(True), "expert_sort")
     check_sort(
-        ids.to(torch.int32), E, P.expert_sort(ids.to(torch.int32), E, return_inverse=True), "int32 ids"
+        ids.to(torch.int32), E, permute.expert_sort(ids.to(torch.int32), E, return_inverse=True), "int32 ids"
     )
 
     ms = {
@@ -141,30 +143,32 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda and use_triton and args.sweep_blocks:
         for blk in (int(b) for b in args.sweep_blocks.split(",")):
             for nw in (int(w) for w in args.sweep_warps.split(",")):
-                fn = lambda blk=blk, nw=nw: P.expert_sort_triton(ids, E, check=False, block=blk, num_warps=nw)
+                fn = lambda blk=blk, nw=nw: permute.expert_sort_triton(
+                    ids, E, check=False, block=blk, num_warps=nw
+                )
                 check_sort(ids, E, fn(), f"block={blk} num_warps={nw}")
                 sweep.append({"block": blk, "num_warps": nw, "ms": time_ms(fn, device, warmup, iters)})
 
     # Token gathers: x_perm [n, h] bf16 from x [T, h]; each moves n*h*2 bytes read + n*h*2 written.
     order, _, slot_of = sort(True)
     x = torch.randn(T, args.hidden, device=device, dtype=torch.bfloat16)
-    x_perm = P.permute_tokens(x, order, topk)
+    x_perm = permute.permute_tokens(x, order, topk)
     assert torch.equal(x_perm, x[order // topk]), "permute_tokens != x[order // topk]"
-    y = P.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of)
+    y = permute.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of)
     assert torch.equal(y, x[:, None, :].expand(T, topk, args.hidden)), "unpermute(permute(x)) != x per choice"
     moved = 2 * n * args.hidden * x.element_size()
     g_iters = max(1, iters // 4)  # each call moves GiBs at full size
     gather = {}
     out = torch.empty_like(x_perm)
-    scattered = P.scatter_rows(x_perm, slot_of, torch.empty_like(x_perm))
+    scattered = permute.scatter_rows(x_perm, slot_of, torch.empty_like(x_perm))
     assert torch.equal(scattered, out.index_copy_(0, slot_of, x_perm)), "scatter_rows != index_copy_"
     for name, fn in {
         # the row scatter of merge_grouped_weight_grads, against torch's per-element index_copy_
-        "scatter_rows": lambda: P.scatter_rows(x_perm, slot_of, out),
+        "scatter_rows": lambda: permute.scatter_rows(x_perm, slot_of, out),
         "index_copy_rows": lambda: out.index_copy_(0, slot_of, x_perm),
-        "permute_tokens": lambda: P.permute_tokens(x, order, topk),
-        "unpermute_tokens_gather": lambda: P.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of),
-        "unpermute_tokens_scatter": lambda: P.unpermute_tokens(x_perm, order, T, topk),
+        "permute_tokens": lambda: permute.permute_tokens(x, order, topk),
+        "unpermute_tokens_gather": lambda: permute.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of),
+        "unpermute_tokens_scatter": lambda: permute.unpermute_tokens(x_perm, order, T, topk),
     }.items():
         t = time_ms(fn, device, min(warmup, 5), g_iters)
         gather[name] = {"ms": t, "GB_per_s": moved / (t * 1e-3) / 1e9}
@@ -174,11 +178,11 @@ def main(argv: list[str] | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "triton": P.triton.__version__ if P.HAS_TRITON else None,
+        "triton": permute.triton.__version__ if permute.HAS_TRITON else None,
         "backend": ("triton" if cuda else "triton-interpreter") if use_triton else "torch-reference",
         "shape": {"tokens": T, "topk": topk, "n_ids": n, "experts": E, "hidden": args.hidden},
         "block": block,
-        "num_warps": P.DEFAULT_NUM_WARPS if use_triton else None,
+        "num_warps": permute.DEFAULT_NUM_WARPS if use_triton else None,
         "warmup": warmup,
         "iters": iters,
         "ms": ms,

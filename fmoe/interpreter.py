@@ -41,8 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fmoe import dist as D
-from fmoe import pipeline as P
-from fmoe import runner as R
+from fmoe import pipeline, runner
 from fmoe.fb_order import FB_ORDER, FBStep, parse_fb_order, role
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.p2p import Channel
@@ -70,14 +69,14 @@ class _Rank:
     def __init__(self, schedule, model, params, batch, group, rank, seed, groups, timeout_s, memory=None):
         self.s, self.model, self.params, self.group, self.rank = schedule, model, params, group, rank
         self.timeout_s, self.memory = timeout_s, memory
-        self.microbatches = R.split_microbatches(batch, schedule.microbatches)
+        self.microbatches = runner.split_microbatches(batch, schedule.microbatches)
         self.ctxs = [
             StageContext(microbatch=m, seed=seed, groups=groups) for m in range(schedule.microbatches)
         ]
-        self.smap = P.schedule_stage_map(model, schedule)
+        self.smap = pipeline.schedule_stage_map(model, schedule)
         self.S = num_stages(schedule)
         self.scale = 1.0 / schedule.microbatches
-        self.terms = R.LossTerms(model)
+        self.terms = runner.LossTerms(model)
         self.inbox_f: dict[tuple[int, int], tuple] = {}
         self.inbox_b: dict[tuple[int, int], tuple] = {}
         self.outbox_f: dict[tuple[int, int], tuple] = {}
@@ -122,7 +121,7 @@ class _Forward:
     def step(self) -> None:
         st, i = self.st, self.todo.pop(0)
         mb = self.mb
-        self.carry, fwd = R.forward_stage(
+        self.carry, fwd = runner.forward_stage(
             mb, i, st.model.stages[i], st.params, self.carry, st.microbatches[mb], st.ctxs[mb],
             st.terms, st.statistics, memory=st.memory,
         )  # fmt: skip
@@ -169,7 +168,7 @@ class _Backward:
     def step(self, defer_w: bool = False) -> None:
         i = self.todo.pop(0)
         fwd, self.fwds[i] = self.fwds[i], None  # drop the activation as soon as its B has run
-        self.grad, work = R.backward_stage(fwd, self.grad, self.st.scale)
+        self.grad, work = runner.backward_stage(fwd, self.grad, self.st.scale)
         if defer_w:
             self.deferred.append((role(fwd.stage), work))
         else:
@@ -178,14 +177,14 @@ class _Backward:
     def run_w(self, roles: frozenset[int] | None = None) -> None:
         now = [work for r, work in self.deferred if roles is None or r in roles]
         self.deferred = [(r, work) for r, work in self.deferred if not (roles is None or r in roles)]
-        R.weight_grads(now, into=self.st.grads)
+        runner.weight_grads(now, into=self.st.grads)
 
     def finish(self, w_now: bool) -> None:
         while self.todo:
             self.step()
         st, key = self.st, (self.mb, self.chunk)
         if w_now:
-            R.weight_grads(self.works, into=st.grads)
+            runner.weight_grads(self.works, into=st.grads)
             self.run_w()
         else:
             st.works[key] = self.works
@@ -246,7 +245,7 @@ def _run_w(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
     key = (a.microbatch, a.chunk)
     if key not in st.works:
         raise ScheduleError(f"rank {st.rank}: {a} before its B")
-    R.weight_grads(st.works.pop(key), into=st.grads)
+    runner.weight_grads(st.works.pop(key), into=st.grads)
 
 
 def _send_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
@@ -293,7 +292,7 @@ def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
     terms = st.terms.matrix(st.s.microbatches, st.link.device())
     st.link.wait([dist.all_reduce(terms, group=st.group, async_op=True)], "the loss all-reduce")
     losses = st.terms.losses_from(terms.cpu())
-    return R.mean_loss(losses), losses
+    return runner.mean_loss(losses), losses
 
 
 @functools.lru_cache(maxsize=16)
@@ -326,7 +325,7 @@ def run_schedule(
     schedule: Schedule,
     model: Model,
     params: Mapping[str, Tensor],
-    batch: R.Batch,
+    batch: runner.Batch,
     group: dist.ProcessGroup | None = None,
     *,
     seed: int = 0,
@@ -334,9 +333,9 @@ def run_schedule(
     fb_order: str | Sequence[FBStep] = FB_ORDER,
     reduce_shared: bool = True,
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
-    hooks: R.StepHooks | None = None,
+    hooks: runner.StepHooks | None = None,
     memory: MemoryPolicy | None = None,
-) -> R.StepResult:
+) -> runner.StepResult:
     """Run this rank's rows of ``schedule``; return the step's loss and this rank's gradients.
 
     schedule: a table with pp = the group's size (compute-only tables are lowered here);
@@ -361,7 +360,7 @@ def run_schedule(
     schedule = _checked_and_lowered(schedule)
     order = parse_fb_order(fb_order) if isinstance(fb_order, str) else tuple(fb_order)
     st = _Rank(schedule, model, params, batch, group, rank, seed, dict(stage_groups or {}), timeout_s, memory)
-    names = P.local_param_names(model, schedule, rank=rank)
+    names = pipeline.local_param_names(model, schedule, rank=rank)
     if hooks is not None:
         taken = {n for ns in hooks.take.values() for n in ns}
         names = [n for n in names if n not in taken]
@@ -372,7 +371,9 @@ def run_schedule(
         HANDLERS[actions[k].kind](st, actions[k], order)
 
     try:
-        R.run_steps(len(actions), run_row, hooks, lambda ns: R.take_grads(st.grads, None, params, ns))
+        runner.run_steps(
+            len(actions), run_row, hooks, lambda ns: runner.take_grads(st.grads, None, params, ns)
+        )
         st.action, st.row = "the final waits", None
         return _finish(st, params, names, reduce_shared)
     except D.PipelineError:
@@ -383,15 +384,15 @@ def run_schedule(
 
 def _finish(
     st: _Rank, params: Mapping[str, Tensor], names: Sequence[str], reduce_shared: bool
-) -> R.StepResult:
+) -> runner.StepResult:
     """The step's end on this rank: the sends waited on, the loss, the gradients of ``names`` (zeros
     where its rows gave none; with ``reduce_shared``, summed over their holders: ``fmoe.shared_grads``)."""
     st.link.wait_all()
     loss, losses = _finish_loss(st)
-    st.grads = R.zero_missing(st.grads, params, names)
+    st.grads = runner.zero_missing(st.grads, params, names)
     if reduce_shared:
-        sum_shared_grads(st.grads, names, P.param_holders(st.model, st.s), st.link)
-    return R.StepResult(loss, st.grads, losses, st.statistics)
+        sum_shared_grads(st.grads, names, pipeline.param_holders(st.model, st.s), st.link)
+    return runner.StepResult(loss, st.grads, losses, st.statistics)
 
 
 def _failure(st: _Rank, e: Exception) -> D.PipelineError:
@@ -411,10 +412,10 @@ def pipeline_step(
     schedule: Schedule,
     model: Model,
     params_local: Mapping[str, Tensor],
-    batch: R.Batch,
+    batch: runner.Batch,
     group: dist.ProcessGroup | None = None,
     **options,
-) -> R.StepResult:
+) -> runner.StepResult:
     """What the trainer calls once per step on every pipeline rank: ``run_schedule`` (same options).
 
     params_local: this rank's parameters (``pipeline.local_param_names``); the returned grads have

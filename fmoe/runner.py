@@ -360,20 +360,14 @@ def execute(
     """The micro-batch executor: run ``microbatch_plan`` over ``execution_units`` in one process;
     return (each microbatch's loss, {name: gradient} summed over the microbatches).
 
-    What the sequential reference, the data-parallel step (pp = 1) and the expert-parallel step run.
-    microbatches: the batches ({"tokens": [b, s], "labels": [b, s], "positions": [s]}), contexts: one
-    StageContext each; loss_scale: the seed of every loss output (1 / microbatches, or less when the
-    caller averages over ranks too); merge_expert_grads: run each expert weight GEMM once over all
-    microbatches' rows of a merge window (``memory.merge_window``; 0: the step), at the window's
-    last B of the parameter's unit, instead of once per microbatch; statistics: if given, every
-    stage's statistic outputs are added into it; observe(stage index, inputs): called before each
-    stage's F (e.g. to log routing); hooks: see ``StepHooks`` (k counts the plan's steps); memory:
-    the merge window and each stage's recomputation (``fmoe.memory_policy``; None: the defaults).
-    The returned gradients hold every parameter that ``hooks`` did not take (zeros where none
-    flowed; none missing), in model order.
-    Per parameter, gradients add up in microbatch order whatever the hooks, so the results do not
-    depend on them bitwise; nor on the recomputation; the merge window changes only the order in
-    which an expert gradient's terms are summed (one GEMM per window, the windows added in order).
+    microbatches: {"tokens": [b, s], "labels": [b, s], "positions": [s]} each, contexts: one
+    StageContext each; loss_scale: the seed of every loss output; merge_expert_grads: one expert
+    weight GEMM per merge window (``memory.merge_window``; 0: the step) at the window's last B of
+    the unit; statistics: summed into if given; observe(stage index, inputs): before each F;
+    hooks: ``StepHooks`` (k counts the plan's steps); memory: ``fmoe.memory_policy`` (None: defaults).
+    The gradients hold every parameter ``hooks`` did not take (zeros where none flowed), in model
+    order, added in microbatch order: bitwise independent of the hooks and the recomputation; the
+    merge window changes only the order an expert gradient's terms are summed in.
     """
     memory = memory or MemoryPolicy()
     units = execution_units(model)

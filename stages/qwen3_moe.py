@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, fields
 
 from torch import Tensor
 
-from fmoe.stages import decoder, hf_mapping, layers, rotary
-from fmoe.stages import family as F
+from fmoe.stages import decoder, family, hf_mapping, layers, rotary
 from fmoe.stages import moe as moe_blocks
 from fmoe.stages.decoder import Ones, Zeros
 from fmoe.stages.spec import Params, StageContext
@@ -67,7 +66,7 @@ class Qwen3MoeConfig:
             if type(getattr(self, f.name)) in (int, float)
             and f.name not in ("head_dim", "moe_capacity_factor")
         )
-        F.check_fields(
+        family.check_fields(
             self, non_negative=non_negative, positive_or_none=("head_dim", "moe_capacity_factor"),
             positive=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                       "num_experts", "moe_intermediate_size", "intermediate_size", "max_position_embeddings",
@@ -83,7 +82,7 @@ class Qwen3MoeConfig:
                 f"Qwen3MoeConfig: num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        F.check_top_k(self, "num_experts_per_tok", "num_experts")
+        family.check_top_k(self, "num_experts_per_tok", "num_experts")
         if self.decoder_sparse_step < 1:
             raise ValueError(
                 f"Qwen3MoeConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"

@@ -13,7 +13,7 @@ from conftest import assert_pipeline_matches_sequential, assert_runner_matches_a
 from fmoe import data, expert_parallel, hf, recipe, runner
 from fmoe import dist as dist_helpers
 from fmoe import stage as S
-from fmoe.stages import deepseek_v2 as D
+from fmoe.stages import deepseek_v2
 from fmoe.stages.spec import StageContext
 from fmoe.train import train
 
@@ -31,7 +31,7 @@ YARN = {
 }
 
 
-def tiny(**overrides) -> D.DeepseekV2Config:
+def tiny(**overrides) -> deepseek_v2.DeepseekV2Config:
     """A tiny V2 (query compression, group-limited routing, YaRN); V2-Lite-like with q_lora_rank=None."""
     fields = dict(
         vocab_size=64,
@@ -58,7 +58,7 @@ def tiny(**overrides) -> D.DeepseekV2Config:
         aux_loss_alpha=0.01,
     )
     fields.update(overrides)
-    return D.DeepseekV2Config(**fields)
+    return deepseek_v2.DeepseekV2Config(**fields)
 
 
 def stage_cases(model, params, batch):
@@ -105,7 +105,7 @@ def assert_b_and_w_equal_autograd(stage, params, inputs, seed=2, loss_scale=0.5)
 def float64_cases():
     # 16 experts, top-2 over 6 tokens: at most 12 slots, so several experts get no tokens
     cfg = tiny(n_routed_experts=16, n_group=4, topk_group=2)
-    model = D.build(cfg)
+    model = deepseek_v2.build(cfg)
     params = model.init(seed=1, dtype=torch.float64)
     return params, stage_cases(model, params, random_batch(cfg, 2, 3))
 
@@ -129,11 +129,11 @@ def test_group_limited_routing_keeps_to_the_best_groups_and_scales_weights():
     cfg = tiny(n_routed_experts=16, n_group=4, topk_group=1, routed_scaling_factor=2.0)
     x = torch.randn(50, cfg.hidden_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     gate = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    probs, w, ids = D.router(cfg, x, gate)
+    probs, w, ids = deepseek_v2.router(cfg, x, gate)
     best_group = probs.view(50, 4, 4).amax(-1).argmax(-1)
     assert torch.equal(ids // 4, best_group[:, None].expand_as(ids)), "top-k left the best group"
     torch.testing.assert_close(w, 2.0 * probs.gather(1, ids))
-    greedy = D.router(tiny(n_routed_experts=16, topk_method="greedy"), x, gate)[2]
+    greedy = deepseek_v2.router(tiny(n_routed_experts=16, topk_method="greedy"), x, gate)[2]
     assert not torch.equal(greedy.sort(-1).values, ids.sort(-1).values), "the group limit never mattered"
 
 
@@ -145,7 +145,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_imports_back_identic
     else:  # V2-Lite: no query compression, greedy routing, shared experts, plain RoPE
         cfg = tiny(initializer_range=0.2, q_lora_rank=None, topk_method="greedy", n_group=None,
                    topk_group=None, routed_scaling_factor=1.0, rope_scaling=None)  # fmt: skip
-    params = D.init_params(cfg, seed=7)
+    params = deepseek_v2.init_params(cfg, seed=7)
     folder = hf.export_hf("deepseek_v2", cfg, params, tmp_path / "hf")
 
     model, info = transformers.DeepseekV2ForCausalLM.from_pretrained(
@@ -155,7 +155,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_imports_back_identic
     tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model.eval()(tokens).logits
-        ours = D.logits(cfg, params, tokens)
+        ours = deepseek_v2.logits(cfg, params, tokens)
     assert theirs.abs().max() > 0.5, "logits too small for the comparison to mean anything"
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
@@ -170,10 +170,10 @@ def test_import_reads_the_hub_config_format_and_a_missing_expert_is_named(tmp_pa
     from safetensors.torch import load_file, save_file
 
     cfg = tiny()
-    folder = hf.export_hf("deepseek_v2", cfg, D.init_params(cfg), tmp_path / "hf")
-    hub = {k: v for k, v in D.hf_config(cfg).items() if k != "rope_parameters"}
+    folder = hf.export_hf("deepseek_v2", cfg, deepseek_v2.init_params(cfg), tmp_path / "hf")
+    hub = {k: v for k, v in deepseek_v2.hf_config(cfg).items() if k != "rope_parameters"}
     hub.update(rope_theta=cfg.rope_theta, rope_scaling=YARN)  # the hub's pre-transformers-5 keys
-    assert D.config_from_hf(hub) == cfg
+    assert deepseek_v2.config_from_hf(hub) == cfg
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.1.mlp.experts.5.down_proj.weight"]
     save_file(tensors, folder / "model.safetensors")
@@ -201,13 +201,13 @@ def test_bad_config_names_the_field(overrides, field):
 
 def test_runner_loss_bitwise_equals_autograd_and_grads_match():
     cfg = tiny(num_hidden_layers=3)
-    model = D.build(cfg)
+    model = deepseek_v2.build(cfg)
     assert_runner_matches_autograd(model, model.init(seed=3), random_batch(cfg, 4, 8))
 
 
 def test_dualpipev_at_pp2_loss_bitwise_equals_sequential():
     cfg = tiny(num_hidden_layers=4)
-    model = D.build(cfg)
+    model = deepseek_v2.build(cfg)
     assert_pipeline_matches_sequential(
         "dualpipev", model, model.init(seed=1), random_batch(cfg, 4, 8, seed=5)
     )
@@ -241,7 +241,7 @@ def test_tiny_recipe_trains_and_real_recipe_has_v2_lite_size(tmp_path):
     assert (
         real.model_family == "deepseek_v2" and real.train.dtype == "bfloat16" and real.train.device == "cuda"
     )
-    total = sum(math.prod(s) for s in D.param_shapes(real.model).values())
+    total = sum(math.prod(s) for s in deepseek_v2.param_shapes(real.model).values())
     assert abs(total / 15.7e9 - 1) < 0.005, f"{total:,} parameters; DeepSeek-V2-Lite has 15.7B"
 
 
@@ -272,4 +272,4 @@ def assert_ep2_matches_sequential(family: str, cfg, params: dict) -> None:
 
 def test_expert_parallel_ep2_loss_bitwise_equals_sequential():
     cfg = tiny(num_hidden_layers=3)
-    assert_ep2_matches_sequential("deepseek_v2", cfg, D.init_params(cfg, seed=5))
+    assert_ep2_matches_sequential("deepseek_v2", cfg, deepseek_v2.init_params(cfg, seed=5))

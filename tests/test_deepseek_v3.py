@@ -17,7 +17,7 @@ from test_deepseek_v2 import YARN, stage_cases
 from fmoe import data, hf, parallel, pipeline, recipe, runner, sharding
 from fmoe import dist as dist_helpers
 from fmoe import stage as S
-from fmoe.stages import deepseek_v3 as D
+from fmoe.stages import deepseek_v3
 from fmoe.stages.spec import StageContext
 from fmoe.train import train
 
@@ -25,7 +25,7 @@ EPS64 = torch.finfo(torch.float64).eps
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-def tiny(**overrides) -> D.DeepseekV3Config:
+def tiny(**overrides) -> deepseek_v3.DeepseekV3Config:
     """Layer 0 dense, the rest MoE: 8 experts in 4 groups, 2 of them eligible, top-2, 2 shared
     experts, query compression, YaRN."""
     fields = dict(
@@ -36,7 +36,7 @@ def tiny(**overrides) -> D.DeepseekV3Config:
         rope_scaling=YARN, max_position_embeddings=640,
     )  # fmt: skip
     fields.update(overrides)
-    return D.DeepseekV3Config(**fields)
+    return deepseek_v3.DeepseekV3Config(**fields)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,13 +68,13 @@ def test_noaux_tc_router_and_its_gradients_equal_plain_torch_ops_in_float64(norm
     gate_w = torch.randn(E, H, generator=gen, dtype=torch.float64, requires_grad=True)
     bias = 0.3 * torch.randn(E, generator=gen, dtype=torch.float64)
     args = (3, 4, 2, norm, 2.5)  # top-3 among the experts of the 2 best of 4 groups
-    _, w, ids = D.noaux_tc_router(x, gate_w, bias, *args)
+    _, w, ids = deepseek_v3.noaux_tc_router(x, gate_w, bias, *args)
     ref_w, ref_ids = reference_router(x, gate_w, bias, *args)
     assert torch.equal(ids, ref_ids)
     assert relative_error(w, ref_w) <= 8 * EPS64
     # the group limit and the bias both change the choice here (else the test would prove little)
-    assert not torch.equal(ids, D.noaux_tc_router(x, gate_w, bias, 3, 4, 4, norm, 2.5)[2])
-    assert not torch.equal(ids, D.noaux_tc_router(x, gate_w, 0 * bias, *args)[2])
+    assert not torch.equal(ids, deepseek_v3.noaux_tc_router(x, gate_w, bias, 3, 4, 4, norm, 2.5)[2])
+    assert not torch.equal(ids, deepseek_v3.noaux_tc_router(x, gate_w, 0 * bias, *args)[2])
     cotangent = torch.randn(w.shape, generator=gen, dtype=torch.float64)
     grads = torch.autograd.grad((w * cotangent).sum(), (x, gate_w))
     ref_grads = torch.autograd.grad((ref_w * cotangent).sum(), (x, gate_w))
@@ -98,7 +98,9 @@ def test_noaux_tc_router_equals_transformers_router():
         theirs.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
     x = torch.randn(64, 16, generator=gen)
     _, their_w, their_ids = theirs(x)
-    _, w, ids = D.noaux_tc_router(x, theirs.weight, theirs.e_score_correction_bias, 3, 4, 2, True, 2.5)
+    _, w, ids = deepseek_v3.noaux_tc_router(
+        x, theirs.weight, theirs.e_score_correction_bias, 3, 4, 2, True, 2.5
+    )
     order, their_order = ids.argsort(-1), their_ids.argsort(-1)  # transformers leaves the k unsorted
     assert torch.equal(ids.gather(1, order), their_ids.gather(1, their_order))
     torch.testing.assert_close(w.gather(1, order), their_w.gather(1, their_order), rtol=1e-6, atol=0)
@@ -108,7 +110,7 @@ def test_noaux_tc_router_equals_transformers_router():
 # Hugging Face parity
 
 
-def transformers_config(cfg: D.DeepseekV3Config, **extra):
+def transformers_config(cfg: deepseek_v3.DeepseekV3Config, **extra):
     """transformers' DeepseekV3Config for ``cfg``, written out field by field (not via our export)."""
     import transformers
 
@@ -149,8 +151,10 @@ def test_transformers_checkpoint_imports_with_equal_logits_and_exports_back(tmp_
     with torch.no_grad():
         their_logits = theirs(tokens).logits
     assert their_logits.abs().max() > 0.5, "logits too small for the comparison to mean anything"
-    torch.testing.assert_close(D.logits(imported, params, tokens), their_logits, rtol=1e-5, atol=1e-5)
-    biases = [n for n in params if n.endswith(D.ROUTER_BIAS)]
+    torch.testing.assert_close(
+        deepseek_v3.logits(imported, params, tokens), their_logits, rtol=1e-5, atol=1e-5
+    )
+    biases = [n for n in params if n.endswith(deepseek_v3.ROUTER_BIAS)]
     assert len(biases) == cfg.num_moe_layers and all(params[n].abs().sum() > 0 for n in biases)
 
     folder = hf.export_hf("deepseek_v3", imported, params, tmp_path / "ours")
@@ -178,12 +182,14 @@ def test_the_hubs_config_format_imports():
     """DeepSeek-V3's own config.json keys (remote-code era: rope_theta + rope_scaling, topk_method,
     scoring_func, ...) read into the same config as transformers 5's."""
     cfg = tiny(aux_loss_alpha=0.001)
-    hub = {k: v for k, v in D.hf_config(cfg).items() if k not in ("rope_parameters", "rope_interleave")}
+    hub = {
+        k: v for k, v in deepseek_v3.hf_config(cfg).items() if k not in ("rope_parameters", "rope_interleave")
+    }
     hub.update(rope_theta=cfg.rope_theta, rope_scaling=YARN, moe_layer_freq=1, seq_aux=True, ep_size=1)
-    assert D.config_from_hf(hub) == cfg
+    assert deepseek_v3.config_from_hf(hub) == cfg
     for key, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("rope_interleave", False)):
         with pytest.raises(ValueError, match=f"'{key}' = "):
-            D.config_from_hf({**hub, key: value})
+            deepseek_v3.config_from_hf({**hub, key: value})
 
 
 @pytest.mark.parametrize(
@@ -204,7 +210,7 @@ def test_bad_config_names_the_field(overrides, field):
 def float64_cases():
     # 16 experts, top-2 over 6 tokens: at most 12 slots, so some experts get no tokens
     cfg = tiny(n_routed_experts=16, aux_loss_alpha=0.01)
-    model = D.build(cfg)
+    model = deepseek_v3.build(cfg)
     params = model.init(seed=1, dtype=torch.float64)
     for name in model.buffers:
         params[name] = 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -234,12 +240,14 @@ def test_every_stage_b_and_w_equal_autograd_in_float64(float64_cases):
         assert set(grads) == {n for n in stage.params if leaves[n].grad is not None}
         for n, g in grads.items():
             assert relative_error(g, leaves[n].grad) <= 1e3 * EPS64, f"{stage.name} {n}"
-    assert any(D.ROUTER_BIAS in n for s, _ in cases for n in s.params), "the router stage was never tested"
+    assert any(deepseek_v3.ROUTER_BIAS in n for s, _ in cases for n in s.params), (
+        "the router stage was never tested"
+    )
 
 
 def test_runner_step_equals_autograd_in_float64():
     cfg = tiny(num_hidden_layers=3, aux_loss_alpha=0.01)
-    model = D.build(cfg)
+    model = deepseek_v3.build(cfg)
     params = model.init(seed=3, dtype=torch.float64)
     batch = random_batch(cfg, 4, 8)
     result = runner.run_sequential(model, params, batch, num_microbatches=2)
@@ -260,10 +268,10 @@ def _pp_ep_worker(rank, world, group, cfg, params, batch, microbatches):
     from fmoe.mesh import build_mesh
     from fmoe.schedules.generators import generate
 
-    model = D.build(cfg)
+    model = deepseek_v3.build(cfg)
     mesh = build_mesh(2, 1, 1, 2)
     schedule = generate("dualpipev", 2, microbatches)
-    shapes = D.param_shapes(cfg)
+    shapes = deepseek_v3.param_shapes(cfg)
     infos = sharding.layout(
         model, mesh, shapes, pipeline.local_param_names(model, schedule, rank=mesh.coords["pp"])
     )
@@ -275,12 +283,12 @@ def _pp_ep_worker(rank, world, group, cfg, params, batch, microbatches):
 
 def test_dualpipev_at_pp2_with_ep2_equals_the_sequential_runner():
     cfg = tiny(num_hidden_layers=4, aux_loss_alpha=0.01)
-    params = D.init_params(cfg, seed=4, dtype=torch.float64)
+    params = deepseek_v3.init_params(cfg, seed=4, dtype=torch.float64)
     batch = random_batch(cfg, 8, 8, seed=5)  # 2 ep ranks x 4 microbatches of one sequence
     results = dist_helpers.spawn(_pp_ep_worker, 4, (cfg, params, batch, 4), timeout_s=240)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
-    ref = runner.run_sequential(D.build(cfg), params, batch, num_microbatches=8)
+    ref = runner.run_sequential(deepseek_v3.build(cfg), params, batch, num_microbatches=8)
     ours = results[0].value
     # float64 sums over 8 microbatches and 2 ranks in another order: a few roundings per entry
     assert abs(ours["loss"].item() - ref.loss.item()) <= 16 * EPS64 * abs(ref.loss.item())
@@ -309,7 +317,7 @@ def test_tiny_recipe_trains_and_moves_the_router_bias(tmp_path):
     result = train(rec)
     assert len(result.losses) == 8 and result.losses[-1] < result.losses[0] - 0.5, result.losses
     rate = rec.model.moe_router_bias_update_rate
-    biases = [n for n in result.params if n.endswith(D.ROUTER_BIAS)]
+    biases = [n for n in result.params if n.endswith(deepseek_v3.ROUTER_BIAS)]
     assert rate > 0 and len(biases) == rec.model.num_moe_layers
     for name in biases:  # 8 steps of +-rate or 0 from 0: whole multiples of rate, not all zero
         steps = result.params[name] / rate
@@ -321,8 +329,8 @@ def test_real_recipe_parses_builds_and_has_16b_a3b_shapes():
     real = recipe.load(RECIPES / "deepseek_v3_16b_a3b.toml")
     cfg = real.model
     assert real.model_family == "deepseek_v3" and real.train.device == "cuda"
-    model = D.build(cfg)  # stages only: nothing allocated
-    shapes = D.param_shapes(cfg)
+    model = deepseek_v3.build(cfg)  # stages only: nothing allocated
+    shapes = deepseek_v3.param_shapes(cfg)
     assert set(model.param_names()) == set(shapes)
     total = sum(math.prod(s) for s in shapes.values())
     expert = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)

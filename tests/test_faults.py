@@ -57,9 +57,7 @@ def _install(hooks: dict) -> None:
     sleep there (``sleep``: [point, n, seconds]), or fail tensor writes with ENOSPC."""
     import fmoe.checkpoint_install as CI
     import fmoe.checkpoint_write as CW
-    import fmoe.metrics_log as M
-    import fmoe.optim as O
-    import fmoe.parallel as P
+    from fmoe import metrics_log, optim, parallel
 
     calls: dict[str, int] = {}
 
@@ -73,7 +71,7 @@ def _install(hooks: dict) -> None:
         if hooks.get("sleep", [None, None])[:2] == [point, calls[point]]:
             time.sleep(hooks["sleep"][2])
 
-    real_step = P.parallel_step
+    real_step = parallel.parallel_step
 
     def parallel_step(*args, **kwargs):
         die_at("step")
@@ -82,15 +80,15 @@ def _install(hooks: dict) -> None:
             g.add_(torch.randn_like(g), alpha=1e-3)
         return out
 
-    P.parallel_step = parallel_step
-    real_opt = O.step
+    parallel.parallel_step = parallel_step
+    real_opt = optim.step
 
     def opt_step(*args, **kwargs):
         out = real_opt(*args, **kwargs)
         die_at("update")
         return out
 
-    O.step = opt_step
+    optim.step = opt_step
     real_write = CW._write_tensors
 
     def write_tensors(path, tensors, metadata):
@@ -116,7 +114,7 @@ def _install(hooks: dict) -> None:
 
     fake_shutil = type("shutil", (), {"rmtree": staticmethod(rmtree)})
     CI.shutil = CW.shutil = fake_shutil  # every rmtree of a save, a drop and a tidy-up
-    real_log = M.MetricsLog.write
+    real_log = metrics_log.MetricsLog.write
 
     def log_write(self, record):
         if hooks.get("kill") == ["metrics", calls.get("metrics", 0) + 1]:
@@ -125,7 +123,7 @@ def _install(hooks: dict) -> None:
         die_at("metrics")
         real_log(self, record)
 
-    M.MetricsLog.write = log_write
+    metrics_log.MetricsLog.write = log_write
 
 
 def _serve() -> None:

@@ -18,7 +18,7 @@ from test_deepseek_v2 import (
 )
 
 from fmoe import hf, recipe
-from fmoe.stages import gpt_oss as G
+from fmoe.stages import gpt_oss
 
 STAGES = ["embed"] + [
     f"layers.{i}.{n}" for i in (0, 1) for n in ("attn", "dispatch", "mlp", "combine", "aggregate")
@@ -26,7 +26,7 @@ STAGES = ["embed"] + [
 STAGES += ["head"]
 
 
-def tiny(**overrides) -> G.GptOssConfig:
+def tiny(**overrides) -> gpt_oss.GptOssConfig:
     """A tiny GPT-OSS: 2 layers (sliding window 4, then full), YaRN, clamp limit low enough to bind."""
     fields = dict(
         vocab_size=64,
@@ -46,7 +46,7 @@ def tiny(**overrides) -> G.GptOssConfig:
         max_position_embeddings=128,
     )  # fmt: skip
     fields.update(overrides)
-    return G.GptOssConfig(**fields)
+    return gpt_oss.GptOssConfig(**fields)
 
 
 def with_random_biases(params: dict, seed: int = 1, scale: float = 0.3) -> dict:
@@ -66,7 +66,7 @@ def with_random_biases(params: dict, seed: int = 1, scale: float = 0.3) -> dict:
 def float64_cases():
     # 16 experts, top-2 over 6 tokens: at most 12 slots, so several experts get no tokens
     cfg = tiny(num_local_experts=16, initializer_range=0.3, sliding_window=2)
-    model = G.build(cfg)
+    model = gpt_oss.build(cfg)
     params = with_random_biases(model.init(seed=1, dtype=torch.float64))
     return params, stage_cases(model, params, random_batch(cfg, 2, 3))
 
@@ -94,7 +94,7 @@ def test_sink_attention_equals_a_per_query_softmax_with_the_sink_and_the_window(
     v = torch.randn(b, hkv, s, d, generator=gen, dtype=torch.float64)
     sinks = torch.randn(hq, generator=gen, dtype=torch.float64)
     for w in (window, None):
-        out = G.sink_attention(q, k, v, sinks, torch.arange(s), 0.3, w)
+        out = gpt_oss.sink_attention(q, k, v, sinks, torch.arange(s), 0.3, w)
         ref = torch.empty_like(out)
         for h in range(hq):
             kv = h // (hq // hkv)
@@ -115,7 +115,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_imports_back_identic
     else:
         cfg = tiny(initializer_range=0.2, rope_scaling=None, attention_bias=False,
                    layer_types=("full_attention", "sliding_attention"))  # fmt: skip
-    params = with_random_biases(G.init_params(cfg, seed=7))
+    params = with_random_biases(gpt_oss.init_params(cfg, seed=7))
     folder = hf.export_hf("gpt_oss", cfg, params, tmp_path / "hf")
 
     model, info = transformers.GptOssForCausalLM.from_pretrained(
@@ -125,11 +125,11 @@ def test_export_loads_in_transformers_with_equal_logits_and_imports_back_identic
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = model.eval()(tokens).logits
-        ours = G.logits(cfg, params, tokens)
+        ours = gpt_oss.logits(cfg, params, tokens)
     assert theirs.abs().max() > 0.5, "logits too small for the comparison to mean anything"
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     # the clamp binds: the same weights without it give other logits
-    unclamped = G.logits(tiny(**{**cfg.__dict__, "swiglu_limit": 1e4}), params, tokens)
+    unclamped = gpt_oss.logits(tiny(**{**cfg.__dict__, "swiglu_limit": 1e4}), params, tokens)
     assert (unclamped - ours).abs().max() > 1e-3
 
     family, cfg_back, params_back = hf.import_hf(folder)
@@ -143,7 +143,7 @@ def test_import_of_a_quantized_checkpoint_says_to_dequantize(tmp_path):
     from safetensors.torch import load_file, save_file
 
     cfg = tiny()
-    folder = hf.export_hf("gpt_oss", cfg, G.init_params(cfg), tmp_path / "hf")
+    folder = hf.export_hf("gpt_oss", cfg, gpt_oss.init_params(cfg), tmp_path / "hf")
     tensors = load_file(folder / "model.safetensors")
     name = "model.layers.1.mlp.experts.down_proj"
     tensors[name + "_blocks"] = torch.zeros(1, dtype=torch.uint8)
@@ -171,13 +171,13 @@ def test_bad_config_names_the_field(overrides, field):
 
 def test_runner_loss_bitwise_equals_autograd_and_grads_match():
     cfg = tiny(num_hidden_layers=3)
-    model = G.build(cfg)
+    model = gpt_oss.build(cfg)
     assert_runner_matches_autograd(model, with_random_biases(model.init(seed=3)), random_batch(cfg, 4, 8))
 
 
 def test_dualpipev_at_pp2_loss_bitwise_equals_sequential():
     cfg = tiny(num_hidden_layers=4)
-    model = G.build(cfg)
+    model = gpt_oss.build(cfg)
     assert_pipeline_matches_sequential(
         "dualpipev", model, with_random_biases(model.init(seed=1)), random_batch(cfg, 4, 8, seed=5)
     )
@@ -189,10 +189,10 @@ def test_tiny_recipe_trains_and_real_recipe_has_gpt_oss_20b_size(tmp_path):
     real = recipe.load(RECIPES / "gpt_oss_20b.toml")
     assert real.model_family == "gpt_oss" and real.train.dtype == "bfloat16" and real.train.device == "cuda"
     assert real.model.layer_types[:2] == ("sliding_attention", "full_attention")
-    total = sum(math.prod(s) for s in G.param_shapes(real.model).values())
+    total = sum(math.prod(s) for s in gpt_oss.param_shapes(real.model).values())
     assert abs(total / 20.91e9 - 1) < 0.005, f"{total:,} parameters; gpt-oss-20b has 20.91B"
 
 
 def test_expert_parallel_ep2_loss_bitwise_equals_sequential():
     cfg = tiny(num_hidden_layers=2)
-    assert_ep2_matches_sequential("gpt_oss", cfg, with_random_biases(G.init_params(cfg, seed=5)))
+    assert_ep2_matches_sequential("gpt_oss", cfg, with_random_biases(gpt_oss.init_params(cfg, seed=5)))

@@ -14,9 +14,7 @@ import torch
 from conftest import random_batch, relative_error, tiny_config
 
 from fmoe import dist as D
-from fmoe import interpreter as I
-from fmoe import pipeline as P
-from fmoe import runner as R
+from fmoe import interpreter, pipeline, runner
 from fmoe.schedules.generators import generate
 from fmoe.schedules.table import ScheduleError, read_csv
 from fmoe.schedules.verify import lower, validate
@@ -71,14 +69,14 @@ def worker(rank: int, world: int, group, microbatches: int, extras: bool) -> dic
     for aux in (0.0, 0.01):
         model = qwen3_moe.build(config(aux))
         params = model.init(seed=1)
-        ref = R.run_sequential(model, params, batch, microbatches)
+        ref = runner.run_sequential(model, params, batch, microbatches)
         if aux == 0.0:
             seq_off = ref
         for name in SCHEDULES:
             schedule = generate(name, world, microbatches)
-            names = P.local_param_names(model, schedule, rank=rank)
+            names = pipeline.local_param_names(model, schedule, rank=rank)
             local = {n: params[n] for n in names}
-            result = I.pipeline_step(schedule, model, local, batch, group)
+            result = interpreter.pipeline_step(schedule, model, local, batch, group)
             case = compare(result, ref, names)
             # the aux loss's own contribution to each router gradient, and its share of the gradient
             case["aux_part"] = {n: (relative_error(result.grads[n] - seq_off.grads[n], ref.grads[n] - seq_off.grads[n]),
@@ -89,23 +87,25 @@ def worker(rank: int, world: int, group, microbatches: int, extras: bool) -> dic
         model = qwen3_moe.build(config(0.01))
         params = model.init(seed=1)
         table = read_csv(CSV)
-        ref = R.run_sequential(
+        ref = runner.run_sequential(
             model, params, random_batch(config(0.01), table.microbatches, 8, seed=5), table.microbatches
         )
-        result = I.run_schedule(
+        result = interpreter.run_schedule(
             table, model, params, random_batch(config(0.01), table.microbatches, 8, seed=5), group
         )
-        out["csv"] = compare(result, ref, P.local_param_names(model, table, rank=rank))
+        out["csv"] = compare(result, ref, pipeline.local_param_names(model, table, rank=rank))
         calls: list = []
         try:
-            I.run_schedule(broken_table(world, microbatches), counting(model, calls), params, batch, group)
+            interpreter.run_schedule(
+                broken_table(world, microbatches), counting(model, calls), params, batch, group
+            )
             out["invalid"] = ("no error", len(calls))
         except ScheduleError as e:
             out["invalid"] = (str(e), len(calls))
         # the group is still usable after a rejected table: run once more
-        again = I.run_schedule(generate("1f1b", world, microbatches), model, params, batch, group)
+        again = interpreter.run_schedule(generate("1f1b", world, microbatches), model, params, batch, group)
         out["after_invalid"] = torch.equal(
-            again.loss, R.run_sequential(model, params, batch, microbatches).loss
+            again.loss, runner.run_sequential(model, params, batch, microbatches).loss
         )
     return out
 
@@ -179,15 +179,15 @@ def test_a_table_is_validated_and_lowered_once_per_value_and_an_invalid_one_ever
     """The interpreter keeps a table's lowered form keyed by the table's value (pp, microbatches,
     placement, chunks, rows, name), not by the object: an equal table made again is not lowered again."""
     lowered: list = []
-    monkeypatch.setattr(I, "lower", lambda s: lowered.append(s) or lower(s))
-    I._checked_and_lowered.cache_clear()
+    monkeypatch.setattr(interpreter, "lower", lambda s: lowered.append(s) or lower(s))
+    interpreter._checked_and_lowered.cache_clear()
     a, b = generate("zbv", 2, 4), generate("zbv", 2, 4)
     assert a is not b and a == b
-    assert I.rank_actions(a, 1) == I.rank_actions(b, 1) == lower(a).actions[1]
+    assert interpreter.rank_actions(a, 1) == interpreter.rank_actions(b, 1) == lower(a).actions[1]
     assert len(lowered) == 1
     for _ in range(2):
         with pytest.raises(ScheduleError, match="has no B"):
-            I.rank_actions(broken_table(2, 4), 1)
+            interpreter.rank_actions(broken_table(2, 4), 1)
     assert len(lowered) == 1
 
 
@@ -205,14 +205,14 @@ def failing_worker(rank: int, world: int, group) -> str:
     stages[at] = dataclasses.replace(target, forward=boom)
     model = dataclasses.replace(model, stages=tuple(stages))
     batch = random_batch(config(0.01), 6, 8)
-    I.run_schedule(generate("1f1b", world, 6), model, model.init(seed=0), batch, group)
+    interpreter.run_schedule(generate("1f1b", world, 6), model, model.init(seed=0), batch, group)
     return "finished"
 
 
 def test_rank_failing_mid_schedule_brings_every_rank_down_with_its_message():
     # pp=3: layers.2 sits on rank 1; rank 2 waits on rank 1 and rank 0 on both
     assert any(model_stage == "layers.2.mlp" for model_stage in
-               (qwen3_moe.build(config(0.01)).stages[i].name for i in P.stage_map(qwen3_moe.build(config(0.01)), "loop", 3, 1)[(1, 0)]))  # fmt: skip
+               (qwen3_moe.build(config(0.01)).stages[i].name for i in pipeline.stage_map(qwen3_moe.build(config(0.01)), "loop", 3, 1)[(1, 0)]))  # fmt: skip
     results = D.spawn(failing_worker, 3, timeout_s=90)
     for r in results:
         assert not r.ok and r.error_type == "PipelineError", (r.rank, r.error_type, r.error)

@@ -14,12 +14,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fmoe.kernels import adamw as K  # noqa: E402
+from fmoe.kernels import adamw  # noqa: E402
 from fmoe.kernels._triton import interpreting, use_triton  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.95, 1e-8
 # odd sizes: one element, less than a block, one past a block, two blocks and a bit; and empties
-SHAPES = [(1,), (3, 7), (K.BLOCK + 1,), (2 * K.BLOCK + 7,), (0,), (0, 4)]
+SHAPES = [(1,), (3, 7), (adamw.BLOCK + 1,), (2 * adamw.BLOCK + 7,), (0,), (0, 4)]
 
 
 def _state(shapes, grad_dtype, seed=0):
@@ -61,8 +61,8 @@ def test_kernel_equals_reference_bitwise_over_steps(grad_dtype, scaled, wd):
             weight_decay=wd,
             grad_scale=torch.tensor(0.25 + 0.3 * s) if scaled else None,
         )
-        K.adamw_(*kernel, **kw)
-        K.adamw_(*ref, **kw, reference=True)
+        adamw.adamw_(*kernel, **kw)
+        adamw.adamw_(*ref, **kw, reference=True)
     for got_list, want_list in zip(kernel, ref):
         for got, want in zip(got_list, want_list):
             assert torch.equal(got, want)
@@ -75,7 +75,7 @@ def test_kernel_equals_reference_bitwise_over_steps(grad_dtype, scaled, wd):
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_kernel_matches_torch_optim_adamw_over_5_steps(grad_dtype, scaled):
-    shapes = [(5, 7), (K.BLOCK + 3,), (2,)]
+    shapes = [(5, 7), (adamw.BLOCK + 3,), (2,)]
     wd = 0.1
     params, grads, exp_avgs, exp_avg_sqs = _state(shapes, grad_dtype, seed=1)
     for t in (*exp_avgs, *exp_avg_sqs):
@@ -89,7 +89,7 @@ def test_kernel_matches_torch_optim_adamw_over_5_steps(grad_dtype, scaled):
             leaf.grad = g.float() * (scale if scaled else 1.0)
         opt.param_groups[0]["lr"] = float(lr)
         opt.step()
-        K.adamw_(
+        adamw.adamw_(
             params,
             grads,
             exp_avgs,
@@ -124,25 +124,25 @@ def test_python_step_and_lr_give_the_same_bits_as_tensors():
     a = _state(SHAPES[:3], torch.bfloat16)
     b = _clone(a)
     common = dict(beta1=B1, beta2=B2, eps=EPS, weight_decay=0.05)
-    K.adamw_(*a, step=4, lr=3e-3, **common)
-    K.adamw_(*b, step=torch.tensor(4.0), lr=torch.tensor(3e-3, dtype=torch.float64), **common)
+    adamw.adamw_(*a, step=4, lr=3e-3, **common)
+    adamw.adamw_(*b, step=torch.tensor(4.0), lr=torch.tensor(3e-3, dtype=torch.float64), **common)
     for x, y in zip(a[0], b[0]):
         assert torch.equal(x, y)
 
 
 def test_empty_tensors_are_skipped_and_an_empty_list_is_fine():
     params, grads, exp_avgs, exp_avg_sqs = _state([(0,), (0, 3)], torch.bfloat16)
-    K.adamw_(
+    adamw.adamw_(
         params, grads, exp_avgs, exp_avg_sqs, step=1, lr=1e-3, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.1
     )
     assert [p.shape for p in params] == [(0,), (0, 3)]
-    K.adamw_([], [], [], [], step=1, lr=1e-3, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.1)
+    adamw.adamw_([], [], [], [], step=1, lr=1e-3, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.1)
 
 
 def test_zero_grads_only_decay_the_params():
     p, m, v = torch.ones(10), torch.zeros(10), torch.zeros(10)
     g = torch.zeros(10, dtype=torch.bfloat16)
-    K.adamw_([p], [g], [m], [v], step=1, lr=0.1, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.5)
+    adamw.adamw_([p], [g], [m], [v], step=1, lr=0.1, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.5)
     torch.testing.assert_close(p, torch.full((10,), 1 - 0.1 * 0.5))
     assert torch.equal(m, torch.zeros(10)) and torch.equal(v, torch.zeros(10))
 
@@ -151,23 +151,23 @@ def test_bad_inputs_are_refused_naming_the_argument():
     p, g, m, v = (torch.zeros(4) for _ in range(4))
     common = dict(step=1, lr=1e-3, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.0)
     with pytest.raises(ValueError, match=r"params\[0\].*float32"):
-        K.adamw_([p.bfloat16()], [g], [m], [v], **common)
+        adamw.adamw_([p.bfloat16()], [g], [m], [v], **common)
     with pytest.raises(ValueError, match=r"grads\[0\].*shape"):
-        K.adamw_([p], [torch.zeros(5)], [m], [v], **common)
+        adamw.adamw_([p], [torch.zeros(5)], [m], [v], **common)
     with pytest.raises(ValueError, match=r"grads\[0\].*contiguous"):
-        K.adamw_(
+        adamw.adamw_(
             [torch.zeros(2, 3)], [torch.zeros(3, 2).t()], [torch.zeros(2, 3)], [torch.zeros(2, 3)], **common
         )
     with pytest.raises(ValueError, match=r"grads\[0\].*float"):
-        K.adamw_([p], [torch.zeros(4, dtype=torch.int32)], [m], [v], **common)
+        adamw.adamw_([p], [torch.zeros(4, dtype=torch.int32)], [m], [v], **common)
     with pytest.raises(ValueError, match="as long"):
-        K.adamw_([p], [], [m], [v], **common)
+        adamw.adamw_([p], [], [m], [v], **common)
     with pytest.raises(ValueError, match="grad_scale"):
-        K.adamw_([p], [g], [m], [v], grad_scale=torch.tensor(1.0, dtype=torch.float64), **common)
+        adamw.adamw_([p], [g], [m], [v], grad_scale=torch.tensor(1.0, dtype=torch.float64), **common)
     with pytest.raises(ValueError, match="step"):
-        K.adamw_([p], [g], [m], [v], **{**common, "step": 0})
+        adamw.adamw_([p], [g], [m], [v], **{**common, "step": 0})
     with pytest.raises(ValueError, match="beta2"):
-        K.adamw_([p], [g], [m], [v], **{**common, "beta2": 1.0})
+        adamw.adamw_([p], [g], [m], [v], **{**common, "beta2": 1.0})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -186,7 +186,7 @@ def test_kernel_on_cuda_agrees_with_torch_fused_adamw_to_fp32_rounding(grad_dtyp
             _lr(s).to(dev),
             torch.tensor(0.7, device=dev),
         )
-        K.adamw_(
+        adamw.adamw_(
             params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=B1, beta2=B2, eps=EPS,
             weight_decay=0.1, grad_scale=scale,
         )  # fmt: skip
@@ -207,13 +207,13 @@ def test_found_inf_skips_the_step_on_the_device_and_a_zero_flag_does_not(referen
     state = _state(SHAPES, torch.bfloat16)
     before = _clone(state)
     kw = dict(step=2, lr=1e-2, beta1=B1, beta2=B2, eps=EPS, weight_decay=0.1, reference=reference)
-    K.adamw_(*state, **kw, found_inf=torch.tensor(1.0))
+    adamw.adamw_(*state, **kw, found_inf=torch.tensor(1.0))
     for got_list, want_list in zip(state, before):
         for got, want in zip(got_list, want_list):
             assert torch.equal(got, want)
     plain = _clone(state)
-    K.adamw_(*state, **kw, found_inf=torch.tensor(0.0))
-    K.adamw_(*plain, **kw)
+    adamw.adamw_(*state, **kw, found_inf=torch.tensor(0.0))
+    adamw.adamw_(*plain, **kw)
     for got_list, want_list in zip(state, plain):
         for got, want in zip(got_list, want_list):
             assert torch.equal(got, want)

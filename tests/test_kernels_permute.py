@@ -20,7 +20,7 @@ import textwrap  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fmoe.kernels import permute as P  # noqa: E402
+from fmoe.kernels import permute  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,14 +32,14 @@ def _assert_stable_sort(ids: torch.Tensor, num_experts: int, result: tuple[torch
     assert torch.equal(order, torch.argsort(ids, stable=True))
     assert torch.equal(counts, torch.bincount(ids.long(), minlength=num_experts))
     if len(result) == 3:
-        assert torch.equal(result[2], P.inverse_permutation(order))
+        assert torch.equal(result[2], permute.inverse_permutation(order))
 
 
 def test_interpreter_is_active_and_cpu_training_keeps_the_reference():
     # Guards every other test here: without the interpreter they could not run the kernels on CPU.
-    assert P.HAS_TRITON and P.INTERPRETED
+    assert permute.HAS_TRITON and permute.INTERPRETED
     # expert_sort dispatches to Triton on CUDA only; on CPU the tests call expert_sort_triton
-    assert not P.uses_triton(torch.zeros(4, dtype=torch.int64), 8)
+    assert not permute.uses_triton(torch.zeros(4, dtype=torch.int64), 8)
 
 
 @pytest.mark.parametrize(
@@ -55,17 +55,17 @@ def test_expert_sort_equals_stable_argsort_and_bincount_on_random_ids(n, num_exp
     gen = torch.Generator().manual_seed(n + num_experts)
     ids = torch.randint(0, num_experts, (n,), generator=gen, dtype=dtype)
     _assert_stable_sort(
-        ids, num_experts, P.expert_sort_triton(ids, num_experts, block=block, return_inverse=True)
+        ids, num_experts, permute.expert_sort_triton(ids, num_experts, block=block, return_inverse=True)
     )
 
 
 def test_default_block_size_equals_stable_argsort():
     # The configuration the GPU runs (4096 ids per CTA, a 12-bit local index in the sort keys).
     # One interpreted CTA of 4096 costs several seconds; multi-CTA logic is covered at smaller blocks.
-    assert P.DEFAULT_BLOCK == 4096
+    assert permute.DEFAULT_BLOCK == 4096
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 128, (4096,), generator=gen)
-    _assert_stable_sort(ids, 128, P.expert_sort_triton(ids, 128, return_inverse=True))
+    _assert_stable_sort(ids, 128, permute.expert_sort_triton(ids, 128, return_inverse=True))
 
 
 def _adversarial_cases():
@@ -92,22 +92,22 @@ def _adversarial_cases():
 def test_expert_sort_equals_stable_argsort_on_adversarial_inputs(case):
     ids, num_experts = _adversarial_cases()[case]
     _assert_stable_sort(
-        ids, num_experts, P.expert_sort_triton(ids, num_experts, block=128, return_inverse=True)
+        ids, num_experts, permute.expert_sort_triton(ids, num_experts, block=128, return_inverse=True)
     )
 
 
 def test_block_offsets_carry_across_prefix_sum_tiles(monkeypatch):
     # Kernel 2 walks the (block, expert) table in tiles of rows; shrink the tile so 16 blocks take
     # 8 tiles and the running per-expert carry between tiles is exercised.
-    monkeypatch.setattr(P, "_OFFSETS_TILE", 64)
+    monkeypatch.setattr(permute, "_OFFSETS_TILE", 64)
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 40, (1000,), generator=gen)
-    _assert_stable_sort(ids, 40, P.expert_sort_triton(ids, 40, block=64, return_inverse=True))
+    _assert_stable_sort(ids, 40, permute.expert_sort_triton(ids, 40, block=64, return_inverse=True))
 
 
 def test_reference_equals_stable_argsort_and_bincount():
     ids = torch.randint(0, 9, (301,), generator=torch.Generator().manual_seed(1))
-    _assert_stable_sort(ids, 9, P.expert_sort_reference(ids, 9, return_inverse=True))
+    _assert_stable_sort(ids, 9, permute.expert_sort_reference(ids, 9, return_inverse=True))
 
 
 @pytest.mark.parametrize("bad", [-1, 8, 1000])
@@ -115,9 +115,9 @@ def test_reference_equals_stable_argsort_and_bincount():
 def test_out_of_range_ids_raise_value_error(bad, path):
     ids = torch.tensor([0, 1, bad, 2, 7])
     fn = {
-        "reference": P.expert_sort_reference,
-        "triton": lambda i, e: P.expert_sort_triton(i, e, block=16),  # check defaults to True on CPU
-        "dispatch": P.expert_sort,
+        "reference": permute.expert_sort_reference,
+        "triton": lambda i, e: permute.expert_sort_triton(i, e, block=16),  # check defaults to True on CPU
+        "dispatch": permute.expert_sort,
     }[path]
     with pytest.raises(
         ValueError, match=r"outside \[0, num_experts=8\).*expert_ids\[\[2\]\] = \[" + str(bad)
@@ -129,7 +129,7 @@ def test_unchecked_triton_path_sorts_valid_ids_and_marks_invalid_ones():
     # With check=False a bad id is not detected, but nothing valid is corrupted: the valid ids fill
     # order[:counts.sum()] in stable order and every bad element's slot_of is -1.
     ids = torch.tensor([3, -1, 0, 9, 3, 1, 0, 12, 2])
-    order, counts, slot_of = P.expert_sort_triton(ids, 4, check=False, block=16, return_inverse=True)
+    order, counts, slot_of = permute.expert_sort_triton(ids, 4, check=False, block=16, return_inverse=True)
     valid = (ids >= 0) & (ids < 4)
     kept = valid.nonzero().flatten()
     assert int(counts.sum()) == int(valid.sum())
@@ -145,14 +145,14 @@ def test_unchecked_triton_path_sorts_valid_ids_and_marks_invalid_ones():
         ({"num_experts": 0}, "num_experts"),
         ({"num_experts": 2.0}, "num_experts"),
         ({"block": 100}, "block"),
-        ({"num_experts": P.MAX_TRITON_EXPERTS + 1}, "num_experts"),
+        ({"num_experts": permute.MAX_TRITON_EXPERTS + 1}, "num_experts"),
     ],
 )
 def test_bad_arguments_raise_errors_naming_the_field(kwargs, match):
     args = {"expert_ids": torch.zeros(4, dtype=torch.int64), "num_experts": 4} | kwargs
     block = args.pop("block", 16)
     with pytest.raises(ValueError, match=match):
-        P.expert_sort_triton(args["expert_ids"], args["num_experts"], block=block)
+        permute.expert_sort_triton(args["expert_ids"], args["num_experts"], block=block)
 
 
 def test_permute_then_unpermute_returns_each_token_once_per_choice():
@@ -160,44 +160,44 @@ def test_permute_then_unpermute_returns_each_token_once_per_choice():
     gen = torch.Generator().manual_seed(2)
     ids = torch.rand(T, E, generator=gen).topk(topk, dim=1).indices.flatten()
     x = torch.randn(T, h, generator=gen)
-    order, counts, slot_of = P.expert_sort(ids, E, return_inverse=True)
-    x_perm = P.permute_tokens(x, order, topk)
+    order, counts, slot_of = permute.expert_sort(ids, E, return_inverse=True)
+    x_perm = permute.permute_tokens(x, order, topk)
     assert x_perm.shape == (T * topk, h)
     # rows come grouped by expert: segment e of x_perm holds exactly the tokens routed to e
     seg = torch.repeat_interleave(torch.arange(E), counts)
     assert torch.equal(ids[order], seg)
     assert torch.equal(x_perm, x[order // topk])
     expected = x[:, None, :].expand(T, topk, h)
-    assert torch.equal(P.unpermute_tokens(x_perm, order, T, topk), expected)
-    assert torch.equal(P.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of), expected)
+    assert torch.equal(permute.unpermute_tokens(x_perm, order, T, topk), expected)
+    assert torch.equal(permute.unpermute_tokens(x_perm, order, T, topk, slot_of=slot_of), expected)
 
 
 def test_permute_tokens_gradient_sums_each_tokens_copies():
     T, topk, h, E = 9, 2, 4, 5
     gen = torch.Generator().manual_seed(4)
     ids = torch.rand(T, E, generator=gen).topk(topk, dim=1).indices.flatten()
-    order, _ = P.expert_sort(ids, E)
+    order, _ = permute.expert_sort(ids, E)
     x = torch.randn(T, h, dtype=torch.float64, generator=gen)
     g = torch.randn(T * topk, h, dtype=torch.float64, generator=gen)
     # against autograd's own gradient of the plain gather
     x_ref = x.clone().requires_grad_()
     x_ref[order // topk].backward(g)
-    out, vjp = torch.func.vjp(lambda x_: P.permute_tokens(x_, order, topk), x)
+    out, vjp = torch.func.vjp(lambda x_: permute.permute_tokens(x_, order, topk), x)
     assert torch.equal(out, x[order // topk])
     (grad_x,) = vjp(g)
     torch.testing.assert_close(grad_x, x_ref.grad, rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda x_: P.permute_tokens(x_, order, topk), (x.requires_grad_(),))
+    assert torch.autograd.gradcheck(lambda x_: permute.permute_tokens(x_, order, topk), (x.requires_grad_(),))
 
 
 def test_unpermute_tokens_gradient_is_the_permuted_gradient():
     T, topk, h, E = 7, 2, 3, 4
     gen = torch.Generator().manual_seed(5)
     ids = torch.rand(T, E, generator=gen).topk(topk, dim=1).indices.flatten()
-    order, _, slot_of = P.expert_sort(ids, E, return_inverse=True)
+    order, _, slot_of = permute.expert_sort(ids, E, return_inverse=True)
     y_perm = torch.randn(T * topk, h, dtype=torch.float64, generator=gen)
     g = torch.randn(T, topk, h, dtype=torch.float64, generator=gen)
     for kw in ({}, {"slot_of": slot_of}):
-        _, vjp = torch.func.vjp(lambda y, kw=kw: P.unpermute_tokens(y, order, T, topk, **kw), y_perm)
+        _, vjp = torch.func.vjp(lambda y, kw=kw: permute.unpermute_tokens(y, order, T, topk, **kw), y_perm)
         (grad,) = vjp(g)
         assert torch.equal(grad, g.reshape(T * topk, h)[order])
 
@@ -205,13 +205,13 @@ def test_unpermute_tokens_gradient_is_the_permuted_gradient():
 def test_permute_helpers_reject_mismatched_shapes():
     order = torch.arange(6)
     with pytest.raises(ValueError, match="tokens \\* topk"):
-        P.permute_tokens(torch.zeros(4, 2), order, 2)
+        permute.permute_tokens(torch.zeros(4, 2), order, 2)
     with pytest.raises(ValueError, match="x must be 2-D"):
-        P.permute_tokens(torch.zeros(3, 2, 1), order, 2)
+        permute.permute_tokens(torch.zeros(3, 2, 1), order, 2)
     with pytest.raises(ValueError, match="order must be 1-D int64"):
-        P.permute_tokens(torch.zeros(3, 2), order.int(), 2)
+        permute.permute_tokens(torch.zeros(3, 2), order.int(), 2)
     with pytest.raises(ValueError, match="slot_of"):
-        P.unpermute_tokens(torch.zeros(6, 2), order, 3, 2, slot_of=order[:5])
+        permute.unpermute_tokens(torch.zeros(6, 2), order, 3, 2, slot_of=order[:5])
 
 
 @pytest.mark.parametrize("n, width, extra", [(70, 300, 5), (1, 7, 0), (33, 256, 40)])
@@ -223,23 +223,23 @@ def test_scatter_rows_kernel_equals_index_copy(n, width, extra, dest_dtype):
     src = torch.randn(n, width, generator=g).to(torch.bfloat16)
     dest = torch.randperm(n + extra, generator=g)[:n].to(dest_dtype)
     out = torch.randn(n + extra, width, generator=g).to(torch.bfloat16)
-    want = P.scatter_rows_reference(src, dest.long(), out.clone())
-    got = P.scatter_rows_triton(src, dest, out)
+    want = permute.scatter_rows_reference(src, dest.long(), out.clone())
+    got = permute.scatter_rows_triton(src, dest, out)
     assert got is out and torch.equal(got, want)
     # the CPU dispatch takes the reference and agrees
-    assert torch.equal(P.scatter_rows(src, dest.long(), torch.zeros_like(out))[dest.long()], src)
+    assert torch.equal(permute.scatter_rows(src, dest.long(), torch.zeros_like(out))[dest.long()], src)
 
 
 def test_scatter_rows_rejects_mismatched_arguments():
     src, out = torch.zeros(4, 3), torch.zeros(6, 3)
     with pytest.raises(ValueError, match="must share w"):
-        P.scatter_rows(src, torch.arange(4), torch.zeros(6, 2))
+        permute.scatter_rows(src, torch.arange(4), torch.zeros(6, 2))
     with pytest.raises(ValueError, match="dest must be \\[4\\] int32/int64"):
-        P.scatter_rows_triton(src, torch.arange(3), out)
+        permute.scatter_rows_triton(src, torch.arange(3), out)
     with pytest.raises(ValueError, match="one dtype"):
-        P.scatter_rows(src, torch.arange(4), out.double())
+        permute.scatter_rows(src, torch.arange(4), out.double())
     with pytest.raises(ValueError, match="contiguous"):
-        P.scatter_rows(torch.zeros(3, 4).t(), torch.arange(4), out)
+        permute.scatter_rows(torch.zeros(3, 4).t(), torch.arange(4), out)
 
 
 def test_benchmark_runs_on_cpu_and_writes_json(tmp_path):
@@ -264,32 +264,32 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fmoe.kernels import permute as P
+    from fmoe.kernels import permute
 
-    assert not P.INTERPRETED
+    assert not permute.INTERPRETED
     target = GPUTarget("cuda", 90, 32)  # H100 / H200
     compiled = 0
     # the default launch (128 experts) and the smallest one (n <= 16 ids)
-    for ep, block, num_warps in [(128, P.DEFAULT_BLOCK, P.DEFAULT_NUM_WARPS), (32, 16, 1)]:
+    for ep, block, num_warps in [(128, permute.DEFAULT_BLOCK, permute.DEFAULT_NUM_WARPS), (32, 16, 1)]:
         eb = min(ep, 32)
         kernels = [
-            (P._block_histogram_kernel,
+            (permute._block_histogram_kernel,
              {"ids_ptr": "*i64", "hist_ptr": "*i32", "n": "i32", "num_experts": "i32",
               "BLOCK": "constexpr", "EP": "constexpr"},
              {"BLOCK": block, "EP": ep}),
-            (P._block_offsets_kernel,
+            (permute._block_offsets_kernel,
              {"hist_ptr": "*i32", "totals_ptr": "*i32", "counts_ptr": "*i64", "num_blocks": "i32",
               "num_experts": "i32", "EP": "constexpr", "EB": "constexpr", "ROWS": "constexpr"},
-             {"EP": ep, "EB": eb, "ROWS": P._OFFSETS_TILE // eb}),
-            (P._scatter_kernel,
+             {"EP": ep, "EB": eb, "ROWS": permute._OFFSETS_TILE // eb}),
+            (permute._scatter_kernel,
              {"ids_ptr": "*i32", "offsets_ptr": "*i32", "totals_ptr": "*i32", "order_ptr": "*i64",
               "slot_of_ptr": "*i64", "n": "i32", "num_experts": "i32", "BLOCK": "constexpr",
               "LOG_BLOCK": "constexpr", "EP": "constexpr", "WRITE_INVERSE": "constexpr"},
              {"BLOCK": block, "LOG_BLOCK": block.bit_length() - 1, "EP": ep, "WRITE_INVERSE": True}),
-            (P._scatter_rows_kernel,
+            (permute._scatter_rows_kernel,
              {"src_ptr": "*bf16", "dest_ptr": "*i64", "out_ptr": "*bf16", "n": "i32", "width": "i32",
               "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-             {"BLOCK_R": P._SCATTER_ROWS, "BLOCK_C": P._SCATTER_COLS}),
+             {"BLOCK_R": permute._SCATTER_ROWS, "BLOCK_C": permute._SCATTER_COLS}),
         ]
         for fn, signature, constexprs in kernels:
             src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)

@@ -172,3 +172,30 @@ def test_an_uninstalled_checkout_imports_fmoe_and_its_folders(tmp_path):
         [sys.executable, "-m", "fmoe", "--help"], cwd=copy, check=True, capture_output=True, text=True
     ).stdout
     assert "train" in help_text
+
+
+# The one-letter module aliases a reader may meet, each meaning the same module in every file
+# (issue 28: ``F`` was the family in one file and torch.nn.functional elsewhere, ``R`` runner or
+# recipe, ``P`` pipeline, parallel or permute); every other module is imported under its own name.
+MODULE_ALIASES = {"F": "torch.nn.functional", "S": "fmoe.stage", "D": "fmoe.dist", "R": "fmoe.recipe"}
+
+
+def test_a_one_letter_module_alias_means_one_module_everywhere():
+    import ast
+
+    wrong = []
+    for folder in ("fmoe", "stages", "schedules", "kernels", "benchmarks", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom | ast.Import):
+                    for alias in node.names:
+                        if alias.asname is None or len(alias.asname) != 1:
+                            continue
+                        module = alias.name
+                        if isinstance(node, ast.ImportFrom):
+                            module = f"{node.module}.{alias.name}"
+                        if MODULE_ALIASES.get(alias.asname) != module:
+                            wrong.append(
+                                f"{path.relative_to(REPO)}:{node.lineno}: {module} as {alias.asname}"
+                            )
+    assert not wrong, "one-letter aliases outside MODULE_ALIASES:\n" + "\n".join(wrong)

@@ -22,8 +22,7 @@ import torch
 from conftest import random_batch, tiny_config
 
 from fmoe import dist as D
-from fmoe import memory, offload, parallel, pipeline, recipe
-from fmoe import runner as R
+from fmoe import memory, offload, parallel, pipeline, recipe, runner, sharding
 from fmoe import stage as S
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import build_mesh
@@ -63,7 +62,7 @@ def setup(layers: int = 3):
     return cfg, model, model.init(seed=1)
 
 
-def differences(a: R.StepResult, b: R.StepResult) -> list[str]:
+def differences(a: runner.StepResult, b: runner.StepResult) -> list[str]:
     """What is not bitwise equal between two steps' results (loss, each micro-batch loss, statistics,
     gradients), as names; empty when all is."""
     out = [] if torch.equal(a.loss, b.loss) else ["loss"]
@@ -124,10 +123,10 @@ def test_exchange_stages_are_not_recomputed_under_expert_parallelism():
 def test_recompute_gives_bitwise_the_losses_and_gradients_of_none(window):
     cfg, model, params = setup()
     batch = random_batch(cfg, 4, 8, seed=5)
-    ref = R.run_sequential(model, params, batch, 4, memory=MemoryPolicy(merge_window=window))
+    ref = runner.run_sequential(model, params, batch, 4, memory=MemoryPolicy(merge_window=window))
     for policy in RECOMPUTING:
         policy = dataclasses.replace(policy, merge_window=window)
-        assert not differences(R.run_sequential(model, params, batch, 4, memory=policy), ref), policy
+        assert not differences(runner.run_sequential(model, params, batch, 4, memory=policy), ref), policy
 
 
 def test_offload_moves_the_saved_tensors_and_keeps_the_stages_own(monkeypatch):
@@ -141,9 +140,9 @@ def test_offload_moves_the_saved_tensors_and_keeps_the_stages_own(monkeypatch):
         return host(t, stream)
 
     monkeypatch.setattr(offload, "_Host", counting)
-    R.run_sequential(model, params, batch, 2)
+    runner.run_sequential(model, params, batch, 2)
     assert not copied
-    R.run_sequential(model, params, batch, 2, memory=MemoryPolicy(offload=True))
+    runner.run_sequential(model, params, batch, 2, memory=MemoryPolicy(offload=True))
     assert len(copied) > 20
     own = {p.untyped_storage().data_ptr() for p in params.values()}
     assert not any(t.untyped_storage().data_ptr() in own for t in copied), "a parameter was offloaded"
@@ -153,16 +152,16 @@ def _run_capturing_expert_gemms(model, params, batch, window, monkeypatch):
     """run_sequential with ``memory.merge_window = window``; also {name: [GroupedWeightGrad parts]}
     of every expert GEMM the step merged."""
     parts: dict[str, list] = {}
-    merge = R.merged_weight_grads
+    merge = runner.merged_weight_grads
 
     def capturing(merge_later):
         for name, ps in merge_later.items():
             parts.setdefault(name, []).extend(ps)
         return merge(merge_later)
 
-    monkeypatch.setattr(R, "merged_weight_grads", capturing)
-    result = R.run_sequential(model, params, batch, 4, memory=MemoryPolicy(merge_window=window))
-    monkeypatch.setattr(R, "merged_weight_grads", merge)
+    monkeypatch.setattr(runner, "merged_weight_grads", capturing)
+    result = runner.run_sequential(model, params, batch, 4, memory=MemoryPolicy(merge_window=window))
+    monkeypatch.setattr(runner, "merged_weight_grads", merge)
     return result, parts
 
 
@@ -198,11 +197,11 @@ def test_merge_window_changes_only_the_summation_order_of_expert_gradients(monke
 
 def test_a_recompute_refuses_an_input_or_parameter_written_since_its_forward(monkeypatch):
     cfg, model, params = setup(layers=1)
-    batch = R.with_positions(random_batch(cfg, 2, 8, seed=5))
+    batch = runner.with_positions(random_batch(cfg, 2, 8, seed=5))
     stage = model.stages[1]  # the first layer's attention: input 0 is the residual stream [b, s, H]
     assert stage.role == "attn"
     carry = S.forward(model.stages[0], params, (batch["tokens"],), StageContext())[0]
-    inputs = R.stage_inputs(stage, carry, batch)
+    inputs = runner.stage_inputs(stage, carry, batch)
 
     def backward(recompute: str, mutate=None):
         own = {n: params[n].clone() for n in stage.params}
@@ -248,19 +247,19 @@ params = model.init(seed=1)
 out = {{}}
 # the first pass (unmeasured) makes what a process allocates once: the others measure only F
 for mode in ("warm-up", "none", "selective", "full"):  # bytes held after F of one micro-batch, before its B
-    batch = R.with_positions(random_batch(cfg, 2, 1024, seed=5))
-    policy, terms = MemoryPolicy(recompute=mode.replace("warm-up", "none")), R.LossTerms(model)
+    batch = runner.with_positions(random_batch(cfg, 2, 1024, seed=5))
+    policy, terms = MemoryPolicy(recompute=mode.replace("warm-up", "none")), runner.LossTerms(model)
     base = memory.reset_peak(cpu)
     carry, fwds = (), []
     for i, stage in enumerate(model.stages):
-        carry, fwd = R.forward_stage(0, i, stage, params, carry, batch, StageContext(), terms, memory=policy)
+        carry, fwd = runner.forward_stage(0, i, stage, params, carry, batch, StageContext(), terms, memory=policy)
         fwds.append(fwd)
     out[mode] = memory.current_bytes(cpu) - base
     del fwds, carry
 for window in (0, 1):  # the peak of a step of 8 micro-batches
     batch = random_batch(cfg, 8, 512, seed=5)
     base = memory.reset_peak(cpu)
-    R.run_sequential(model, params, batch, 8, memory=MemoryPolicy(merge_window=window))
+    runner.run_sequential(model, params, batch, 8, memory=MemoryPolicy(merge_window=window))
     out[f"window {{window}}"] = memory.peak_bytes(cpu) - base
 out.pop("warm-up")
 print(json.dumps(out))
@@ -296,7 +295,7 @@ def test_recompute_keeps_less_than_none_and_the_merge_window_bounds_the_expert_o
 
 
 def pipeline_worker(rank: int, world: int, group) -> dict:
-    from fmoe import interpreter as I
+    from fmoe import interpreter
 
     offload.MIN_BYTES = 0  # as ``offload_everything`` does in the test's own process
     cfg, model, params = setup(layers=4)
@@ -305,9 +304,9 @@ def pipeline_worker(rank: int, world: int, group) -> dict:
     for name in SCHEDULES:
         schedule = generate(name, world, 4)
         local = {n: params[n] for n in pipeline.local_param_names(model, schedule, rank=rank)}
-        ref = I.run_schedule(schedule, model, local, batch, group)
+        ref = interpreter.run_schedule(schedule, model, local, batch, group)
         out[name] = {
-            str(p): differences(I.run_schedule(schedule, model, local, batch, group, memory=p), ref)
+            str(p): differences(interpreter.run_schedule(schedule, model, local, batch, group, memory=p), ref)
             for p in RECOMPUTING
         }
     return out
@@ -331,8 +330,8 @@ def mesh_worker(rank: int, world: int, group, sizes) -> dict:
     batch = random_batch(cfg, dp * ep * 2 * 2, 8, seed=5)
     mesh = build_mesh(pp, dp, cp, ep)
     shapes = qwen3_moe.param_shapes(cfg)
-    infos = parallel.layout(model, mesh, shapes, list(shapes))
-    shards = parallel.shard_canonical(model.init(seed=3), infos, mesh)
+    infos = sharding.layout(model, mesh, shapes, list(shapes))
+    shards = sharding.shard_canonical(model.init(seed=3), infos, mesh)
     exchanges = []
     all_to_all = dist.all_to_all_single
 
@@ -345,7 +344,7 @@ def mesh_worker(rank: int, world: int, group, sizes) -> dict:
     def step(policy):
         exchanges.clear()
         loss, grads, stats = parallel.parallel_step(model, shards, infos, batch, 2, mesh, memory=policy)
-        return R.StepResult(loss, grads, [], stats), len(exchanges)
+        return runner.StepResult(loss, grads, [], stats), len(exchanges)
 
     out = {}
     for window in (0, 1):

@@ -12,8 +12,7 @@ import pytest
 import torch
 from conftest import random_batch, tiny_config
 
-from fmoe import offload
-from fmoe import runner as R
+from fmoe import offload, runner
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages import qwen3_moe
 
@@ -35,7 +34,7 @@ def offload_everything(monkeypatch):
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the small tensors too: every copy is checked
 
 
-def step(policy: MemoryPolicy | None = None) -> R.StepResult:
+def step(policy: MemoryPolicy | None = None) -> runner.StepResult:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cfg = tiny_config(num_hidden_layers=3, mlp_only_layers=(0,), hidden_size=256, moe_intermediate_size=512,
@@ -44,10 +43,10 @@ def step(policy: MemoryPolicy | None = None) -> R.StepResult:
     params = model.init(seed=1, device="cuda")
     batch = {k: v.cuda() for k, v in random_batch(cfg, 4, 512, seed=5).items()}
     with sdpa_kernel([SDPBackend.MATH]):
-        return R.run_sequential(model, params, batch, 4, memory=policy)
+        return runner.run_sequential(model, params, batch, 4, memory=policy)
 
 
-def unequal(a: R.StepResult, b: R.StepResult) -> list[str]:
+def unequal(a: runner.StepResult, b: runner.StepResult) -> list[str]:
     out = [] if torch.equal(a.loss, b.loss) else ["loss"]
     return out + [n for n in a.grads if not torch.equal(a.grads[n], b.grads[n])]
 
@@ -76,7 +75,7 @@ def test_an_offloaded_tensor_never_comes_back_before_its_copy_to_the_host(monkey
     monkeypatch.setitem(offload._STREAMS, device, stream)
     policy = MemoryPolicy(offload=True)
 
-    def delayed() -> R.StepResult:
+    def delayed() -> runner.StepResult:
         with torch.cuda.stream(stream):
             torch.cuda._sleep(2_000_000_000)
         return step(policy)

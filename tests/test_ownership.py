@@ -19,9 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fmoe import dist as D
-from fmoe import interpreter as I
-from fmoe import pipeline as P
-from fmoe import runner as R
+from fmoe import interpreter, pipeline, runner
 from fmoe import stage as S
 from fmoe.schedules.generators import generate
 from fmoe.schedules.table import read_csv
@@ -42,11 +40,11 @@ def autograd_grads(model: Model, params, batch, microbatches: int) -> dict[str, 
     in float64 throughout (``runner.model_loss`` sums the terms in float32, as the runners report it)."""
     leaves = {n: t.clone().requires_grad_() for n, t in params.items()}
     total = 0.0
-    for i, mb in enumerate(R.split_microbatches(batch, microbatches)):
+    for i, mb in enumerate(runner.split_microbatches(batch, microbatches)):
         carry: tuple = ()
         for stage in model.stages:
-            outputs = S.call(stage, leaves, R.stage_inputs(stage, carry, mb), StageContext(microbatch=i))
-            carry, terms = R.split_outputs(stage, outputs)
+            outputs = S.call(stage, leaves, runner.stage_inputs(stage, carry, mb), StageContext(microbatch=i))
+            carry, terms = runner.split_outputs(stage, outputs)
             total = total + sum(terms)
     (total / microbatches).backward()
     return {n: leaf.grad for n, leaf in leaves.items()}
@@ -82,7 +80,7 @@ def test_deferred_w_of_the_previous_stage_reads_the_gradient_b_handed_it_unchang
         works.append((wa, wb))
     total: dict[str, torch.Tensor] = {}
     for work in (works[0][1], works[1][1], works[0][0], works[1][0]):  # every B, then W: b's first
-        R.weight_grads([work], into=total)
+        runner.weight_grads([work], into=total)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     sum(torch.tanh(linear(x, leaves["a.w"]) + leaves["b.pos"]).sum() for x in xs).backward()
     for name, leaf in leaves.items():
@@ -104,7 +102,7 @@ def test_two_parameters_given_one_gradient_object_accumulate_separately():
             work.partial["s.p1"].untyped_storage().data_ptr()
             != work.partial["s.p2"].untyped_storage().data_ptr()
         )
-        R.weight_grads([work], into=total)
+        runner.weight_grads([work], into=total)
     leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
     sum((x + leaves["s.p1"] + leaves["s.p2"]).pow(2).sum() for x in xs).backward()
     for name, leaf in leaves.items():
@@ -122,7 +120,7 @@ def test_the_expanded_gradient_of_a_summed_parameter_is_a_gradient_one_can_add_i
     for x in xs:
         _, fwd = S.forward(stage, params, (x,), StageContext())
         _, work = S.backward_input(fwd, (), loss_scale=0.5)
-        R.weight_grads([work], into=total)
+        runner.weight_grads([work], into=total)
     assert torch.equal(total["s.bias"], torch.ones(4, dtype=F64))
     assert rel(total["s.scale"], 0.5 * (xs[0] + xs[1])) <= TOL
 
@@ -148,7 +146,7 @@ def test_a_custom_w_result_that_its_b_handed_on_is_copied_before_the_runner_adds
         dy = torch.full((3,), float(k + 1), dtype=F64)
         (dx,), work = S.backward_input(fwd, (dy,))
         handed.append(dx)
-        R.weight_grads([work], into=total)
+        runner.weight_grads([work], into=total)
     assert torch.equal(total["c.pos"], torch.full((3,), 3.0, dtype=F64))
     assert [h.tolist() for h in handed] == [[1.0] * 3, [2.0] * 3], "a gradient handed on was changed"
 
@@ -332,7 +330,7 @@ def test_user_model_run_sequential_equals_autograd():
     params, batch = model.init(seed=1), user_batch(microbatches)
     ref = autograd_grads(model, params, batch, microbatches)
     for merge in (True, False):
-        result = R.run_sequential(model, params, batch, microbatches, merge_expert_grads=merge)
+        result = runner.run_sequential(model, params, batch, microbatches, merge_expert_grads=merge)
         assert worst(result.grads, ref) <= TOL
 
 
@@ -345,9 +343,9 @@ def test_user_model_with_every_w_deferred_after_every_b_equals_autograd(order):
     model, microbatches = user_model(), 3
     params, batch = model.init(seed=1), user_batch(microbatches)
     works = []  # (microbatch, stage index, work)
-    for i, mb in enumerate(R.split_microbatches(batch, microbatches)):
-        fwds, _ = R.forward_microbatch(model, params, mb, StageContext(microbatch=i))
-        works += [(i, s, w) for s, w in enumerate(R.backward_microbatch(fwds, 1.0 / microbatches))]
+    for i, mb in enumerate(runner.split_microbatches(batch, microbatches)):
+        fwds, _ = runner.forward_microbatch(model, params, mb, StageContext(microbatch=i))
+        works += [(i, s, w) for s, w in enumerate(runner.backward_microbatch(fwds, 1.0 / microbatches))]
     if order == "reverse":
         works.reverse()
     elif order == "stage-major reversed":
@@ -357,8 +355,8 @@ def test_user_model_with_every_w_deferred_after_every_b_equals_autograd(order):
     grads: dict[str, torch.Tensor] = {}
     merge_later: dict = {}
     for _, _, work in works:
-        R.weight_grads([work], merge_later, into=grads)
-    R.accumulate(grads, R.merged_weight_grads(merge_later))
+        runner.weight_grads([work], merge_later, into=grads)
+    runner.accumulate(grads, runner.merged_weight_grads(merge_later))
     assert worst(grads, autograd_grads(model, params, batch, microbatches)) <= TOL
 
 
@@ -383,7 +381,7 @@ def v_worker(rank: int, world: int, group, microbatches: int) -> dict:
     model = user_model()
     params, batch = model.init(seed=1), user_batch(microbatches)
     ref = autograd_grads(model, params, batch, microbatches)
-    loss = R.run_sequential(model, params, batch, microbatches).loss
+    loss = runner.run_sequential(model, params, batch, microbatches).loss
     pairs = list(itertools.product(range(microbatches), range(2)))
     tables = {
         "chunk 1's Ws first": v_table(sorted(pairs, key=lambda t: (-t[1], t[0])), microbatches),
@@ -393,8 +391,8 @@ def v_worker(rank: int, world: int, group, microbatches: int) -> dict:
     }
     out = {}
     for name, table in tables.items():
-        names = P.local_param_names(model, table, rank=rank)
-        result = I.run_schedule(table, model, {n: params[n] for n in names}, batch, group)
+        names = pipeline.local_param_names(model, table, rank=rank)
+        result = interpreter.run_schedule(table, model, {n: params[n] for n in names}, batch, group)
         out[name] = (worst(result.grads, {n: ref[n] for n in names}), torch.equal(result.loss, loss))
     return out
 
@@ -431,9 +429,9 @@ def test_qwen3_stages_keep_the_gradients_autograd_returned_without_a_copy(monkey
     cfg = tiny_config()
     model = qwen3_moe.build(cfg)
     params = model.init(seed=0)
-    (mb,) = R.split_microbatches(random_batch(cfg, 2, 8), 1)
-    fwds, _ = R.forward_microbatch(model, params, mb, StageContext())
-    works = R.backward_microbatch(fwds, 1.0)
+    (mb,) = runner.split_microbatches(random_batch(cfg, 2, 8), 1)
+    fwds, _ = runner.forward_microbatch(model, params, mb, StageContext())
+    works = runner.backward_microbatch(fwds, 1.0)
     partial = {n: g for w in works for n, g in w.partial.items()}
     assert any(n.endswith("layernorm.weight") for n in partial) and "model.embed_tokens.weight" in partial
     assert all(id(g) in returned for g in partial.values()), "a partial gradient was copied"

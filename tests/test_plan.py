@@ -47,8 +47,7 @@ def measure_layout(overrides: dict) -> dict:
     """Two training steps of the recipe on this rank's layout; the second one's peak, measured
     (VmHWM above the baseline, plus the shards and optimizer state the baseline already holds),
     beside the plan's figures for this rank."""
-    from fmoe import train as T
-    from fmoe import train_setup
+    from fmoe import train, train_setup
     from fmoe.mesh import build_mesh
 
     torch.set_num_threads(1)
@@ -67,7 +66,7 @@ def measure_layout(overrides: dict) -> dict:
     full = model.init(seed=0, dtype=torch.float32)
     shards = sharding.shard_canonical(full, infos, mesh)
     del full
-    tx, _ = T.make_optimizer(recipe, shapes)
+    tx, _ = train.make_optimizer(recipe, shapes)
     state = tx.init(shards)
     gen = torch.Generator().manual_seed(0)
     shape = (recipe.train.global_batch, recipe.data.seq_len)
@@ -81,7 +80,7 @@ def measure_layout(overrides: dict) -> dict:
             model, shards, infos, batch, recipe.train.microbatches, mesh, schedule=table,
             gather=recipe.parallel.gather,
         )  # fmt: skip
-        shards, state, _ = T._update(tx, model, loss, grads, stats, state, shards, infos, mesh)
+        shards, state, _ = train._update(tx, model, loss, grads, stats, state, shards, infos, mesh)
         return shards, state
 
     shards, state = step(shards, state)  # the first step makes what later steps reuse (gloo buffers)

@@ -12,8 +12,7 @@ import pytest
 import torch
 from test_train import recipe_dict, toml_text
 
-from fmoe import checkpoint, checkpoint_write, cli
-from fmoe import parallel as P
+from fmoe import checkpoint, checkpoint_write, cli, parallel
 from fmoe import recipe as R
 from fmoe.train import train
 
@@ -58,8 +57,8 @@ def test_resuming_with_changed_model_sizes_is_refused_before_any_step(
     before = folder_bytes(tmp_path / "ckpt")
     d["model"][field] = value
     steps = []
-    real = P.parallel_step
-    monkeypatch.setattr(P, "parallel_step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    real = parallel.parallel_step
+    monkeypatch.setattr(parallel, "parallel_step", lambda *a, **k: steps.append(1) or real(*a, **k))
     code, err = run_cli(tmp_path, d, capsys)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("fmoe: error: "), err
     m = re.search(
@@ -89,7 +88,7 @@ def test_a_diverging_run_never_saves_non_finite_values_and_its_metrics_stay_json
 
 def nan_from(first_bad: int, last_bad: int | None = None):
     """A parallel_step whose loss and gradients are NaN for calls first_bad..last_bad (1-based)."""
-    real = P.parallel_step
+    real = parallel.parallel_step
     calls = {"n": 0}
 
     def step(*args, **kwargs):
@@ -105,7 +104,7 @@ def nan_from(first_bad: int, last_bad: int | None = None):
 
 def test_a_nan_loss_is_skipped_and_counted_and_training_goes_on(tmp_path, dataset, monkeypatch):
     d = recipe_dict(tmp_path, dataset, checkpoint={"every": 1, "keep": 6})
-    monkeypatch.setattr(P, "parallel_step", nan_from(3, 3))
+    monkeypatch.setattr(parallel, "parallel_step", nan_from(3, 3))
     result = train(R.from_dict(d))
     assert result.step == 6 and result.skipped_steps == 1
     assert math.isnan(result.losses[2]) and all(
@@ -126,7 +125,7 @@ def test_non_finite_steps_in_a_row_stop_with_one_line_and_the_good_checkpoint_su
     tmp_path, dataset, monkeypatch, capsys
 ):
     d = recipe_dict(tmp_path, dataset, train={"steps": 10, "max_nonfinite_steps": 3}, checkpoint={"every": 1})
-    monkeypatch.setattr(P, "parallel_step", nan_from(4))
+    monkeypatch.setattr(parallel, "parallel_step", nan_from(4))
     code, err = run_cli(tmp_path, d, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert (
@@ -185,8 +184,8 @@ def test_a_read_only_output_folder_is_refused_before_any_step(tmp_path, dataset,
     blocked.write_text("a file, not a folder")
     d[section][key] = str(blocked / "sub")
     steps = []
-    real = P.parallel_step
-    monkeypatch.setattr(P, "parallel_step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    real = parallel.parallel_step
+    monkeypatch.setattr(parallel, "parallel_step", lambda *a, **k: steps.append(1) or real(*a, **k))
     code, err = run_cli(tmp_path, d, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"{field} '{blocked / 'sub'}' is not writable" in err and steps == []
@@ -220,7 +219,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
 def noisy_step():
     """parallel_step plus gradient noise drawn from torch's global RNG: a seeded op whose result
     depends on the RNG state, as dropout or random routing would."""
-    real = P.parallel_step
+    real = parallel.parallel_step
 
     def step(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -232,7 +231,7 @@ def noisy_step():
 
 
 def test_a_resume_restores_the_rng_so_a_random_op_continues_bitwise(tmp_path, dataset, monkeypatch):
-    monkeypatch.setattr(P, "parallel_step", noisy_step())
+    monkeypatch.setattr(parallel, "parallel_step", noisy_step())
     straight = train(R.from_dict(recipe_dict(tmp_path / "a", dataset)))
     d = recipe_dict(tmp_path / "b", dataset)
     first = train(R.from_dict(d), stop_after=3)

@@ -13,10 +13,9 @@ import torch
 from conftest import relative_error, tiny_config
 from test_train import recipe_dict
 
-from fmoe import checkpoint, memory, optim, sharding, train_state
+from fmoe import checkpoint, memory, optim, sharding, train, train_state
 from fmoe import dist as D
 from fmoe import recipe as R
-from fmoe import train as T
 from fmoe.mesh import build_mesh
 from fmoe.stages import qwen3_moe
 
@@ -42,7 +41,7 @@ def _save_then_resume(rank: int, root: Path, dataset: str) -> dict:
     """Train 3 steps on SAVE_LAYOUT, then resume a copy of its checkpoint on each RESUME_LAYOUT."""
     import torch.distributed as dist
 
-    first = T.train(R.from_dict(layout_recipe(root / "saved", dataset, SAVE_LAYOUT)), stop_after=3)
+    first = train.train(R.from_dict(layout_recipe(root / "saved", dataset, SAVE_LAYOUT)), stop_after=3)
     dist.barrier()
     if rank == 0:
         for i in range(len(RESUME_LAYOUTS)):
@@ -52,14 +51,14 @@ def _save_then_resume(rank: int, root: Path, dataset: str) -> dict:
     if rank == 0:
         out["files"] = sorted(p.name for p in checkpoint.latest(root / "saved" / "ckpt").iterdir())
     for i, sizes in enumerate(RESUME_LAYOUTS):
-        result = T.train(R.from_dict(layout_recipe(root / f"resumed{i}", dataset, sizes)))
+        result = train.train(R.from_dict(layout_recipe(root / f"resumed{i}", dataset, sizes)))
         out["resumed"].append({"losses": result.losses, "step": result.step,
                                "params": result.params if rank == 0 else None})  # fmt: skip
     return out
 
 
 def test_a_checkpoint_saved_sharded_resumes_on_other_layouts_equal_to_an_unbroken_run(job, tmp_path, dataset):
-    straight = T.train(R.from_dict(layout_recipe(tmp_path / "straight", dataset, (1, 1, 1, 1))))
+    straight = train.train(R.from_dict(layout_recipe(tmp_path / "straight", dataset, (1, 1, 1, 1))))
     got = job[0]["layouts"]
     # every rank wrote its own files; the pipeline-free (1, 2, 1, 2) layout has 4 distinct shards
     assert got["files"] == sorted(
@@ -269,7 +268,7 @@ def test_a_resume_refuses_a_rank_file_that_fails_its_checksum_naming_it(tmp_path
     from fmoe import cli
 
     d = recipe_dict(tmp_path, dataset)
-    T.train(R.from_dict(d), stop_after=3)
+    train.train(R.from_dict(d), stop_after=3)
     newest = checkpoint.latest(tmp_path / "ckpt")
     index = json.loads((newest / checkpoint.INDEX).read_text())
     assert index["format"] == checkpoint.SHARDED_FORMAT

@@ -69,9 +69,9 @@ def test_dualpipev_recipe_trains_and_resumes_on_two_processes(tmp_path, dataset)
 
 def dying_worker(rank, world, group, recipe_data):
     if rank == 1:
-        import fmoe.parallel as P
+        from fmoe import parallel
 
-        real = P.parallel_step
+        real = parallel.parallel_step
         calls = {"n": 0}
 
         def dies(*args, **kwargs):
@@ -80,7 +80,7 @@ def dying_worker(rank, world, group, recipe_data):
                 os._exit(17)  # the process vanishes mid-run, no message
             return real(*args, **kwargs)
 
-        P.parallel_step = dies
+        parallel.parallel_step = dies
     return train(R.from_dict(recipe_data)).step
 
 

@@ -2,7 +2,9 @@
 # One device call's GPU work, by part (each bounded to fit one call of 10 minutes):
 #   OUT=/tmp/out benchmarks/run_h200.sh tier     # before/after Qwen3 step (before_tree/: an older
 #                                                # commit, `git archive <commit> | tar -x -C before_tree`),
-#                                                # the GPU test tier, the per-layer table
+#                                                # the GPU test tier (memory policies included)
+#   OUT=/tmp/out benchmarks/run_h200.sh policies 4  # per-layer table at 4 (then 8) layers: eager, fmoe with
+#                                                # graphs, and each memory policy, side by side
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 set -u
 cd "$(dirname "$0")/.."
@@ -20,12 +22,14 @@ tier)
   fi
   timeout 100 python3 -m benchmarks.train_throughput --layers 4 $QWEN --sides fmoe,fmoe_graphs \
     --out "$OUT/qwen3_after.json" 2>&1 | grep -E "ms/step|Error"
-  timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -4 \
-    | tee "$OUT/cuda_tier.txt"
-  for L in 4 8; do
-    timeout 110 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides eager,fmoe_graphs \
-      --out "$OUT/per_layer_L$L.json" 2>&1 | grep -E "ms/step|Error"
-  done
+  timeout 300 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_memory_policy_cuda.py \
+    2>&1 | tail -15 | tee "$OUT/cuda_tier.txt"
+  ;;
+policies)  # one layer count (L=4 or 8): the memory policies side by side with eager and fmoe
+  L=${2:-4}
+  timeout 560 python3 -m benchmarks.train_throughput --layers $L $QWEN \
+    --sides eager,fmoe_graphs,fmoe_graphs_recompute_full,fmoe_graphs_recompute_selective,fmoe_graphs_window1,fmoe_offload \
+    --out "$OUT/policies_L$L.json" 2>&1 | grep -E "ms/step|Error|error"
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

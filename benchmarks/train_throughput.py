@@ -175,6 +175,11 @@ FMOE_VARIANTS = {
     "fmoe_recompute_full": {"memory": MemoryPolicy(recompute="full")},
     "fmoe_recompute_selective": {"memory": MemoryPolicy(recompute="selective")},
     "fmoe_window1": {"memory": MemoryPolicy(merge_window=1)},
+    # the same under CUDA graphs (what a run with train.cuda_graphs and a [memory] section does)
+    "fmoe_graphs_recompute_full": {"cuda_graphs": True, "memory": MemoryPolicy(recompute="full")},
+    "fmoe_graphs_recompute_selective": {"cuda_graphs": True, "memory": MemoryPolicy(recompute="selective")},
+    "fmoe_graphs_window1": {"cuda_graphs": True, "memory": MemoryPolicy(merge_window=1)},
+    "fmoe_offload": {"memory": MemoryPolicy(offload=True)},
 }
 
 

@@ -234,7 +234,7 @@ import json, sys
 sys.path.insert(0, {tests!r})
 import torch
 from conftest import random_batch, tiny_config
-from fmoe import memory, runner as R
+from fmoe import memory, runner
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages import qwen3_moe
 from fmoe.stages.spec import StageContext

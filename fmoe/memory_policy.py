@@ -80,6 +80,11 @@ class MemoryPolicy:
             raise ValueError(
                 f"MemoryPolicy.recompute_roles: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})"
             )
+        if self.recompute_roles and self.recompute == "none":  # a setting that would do nothing
+            raise ValueError(
+                "MemoryPolicy.recompute_roles is set but MemoryPolicy.recompute is 'none': set recompute "
+                "to 'full' or 'selective', or drop recompute_roles"
+            )
 
     def stage_mode(self, stage: Stage, ctx: StageContext) -> str:
         """What ``stage``'s F under ``ctx`` does with what autograd saves: one of ``STAGE_MODES``."""

@@ -93,6 +93,7 @@ def test_memory_section_reaches_the_recipe_and_a_bad_value_names_its_field():
         ({"merge_window": 1.5}, "memory.merge_window must be int"),
         ({"recompute": "some"}, "memory.recompute must be one of"),
         ({"recompute_roles": ["attention"]}, "memory.recompute_roles: unknown role 'attention'"),
+        ({"recompute_roles": ["mlp"]}, "memory.recompute_roles is set but memory.recompute is 'none'"),
         ({"offload": 1}, "memory.offload must be bool"),
         ({"prefetch": True}, "memory: unknown key 'prefetch'"),
     ]

@@ -6,7 +6,8 @@
     fmoe checkpoint import-hf HF_DIR --out CHECKPOINT_DIR [--family NAME|module.path | --recipe RECIPE]
     fmoe schedule show NAME --pp P --microbatches M [--png FILE] [--csv FILE]
     fmoe schedule check FILE.csv
-    fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting] [--set ...]
+    fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting]
+              [--recompute none|full|selective] [--merge-window N] [--[no-]offload] [--set ...]
 
 Run on several processes with ``torchrun --nproc-per-node N -m fmoe train RECIPE``.
 Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, and exit status 2
@@ -110,6 +111,17 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_policy(memory, args: argparse.Namespace):
+    """The recipe's ``[memory]`` with ``fmoe plan``'s --recompute / --merge-window / --offload applied."""
+    import dataclasses
+
+    changes = {"recompute": args.recompute, "merge_window": args.merge_window, "offload": args.offload}
+    try:
+        return dataclasses.replace(memory, **{k: v for k, v in changes.items() if v is not None})
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fmoe import plan
     from fmoe import recipe as R
@@ -128,8 +140,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_family(fam, recipe.model)  # a broken family named before planning it
     model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
     working_set = None if args.working_set is None else plan.WorkingSet(args.working_set)
+    policy = _plan_policy(recipe.memory, args)
     plans = plan.layouts(recipe, model, shapes, args.nproc, device=device, working_set=working_set,
-                         supports_cp=fam.supports_context_parallel)  # fmt: skip
+                         supports_cp=fam.supports_context_parallel, policy=policy)  # fmt: skip
     if not plans:
         raise RecipeError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
                          f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
@@ -143,7 +156,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if sizes not in [q.sizes for q in plans]:
             raise UsageError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
                              f"(see the list without --layout)")  # fmt: skip
-        shown = plan.plan_layout(recipe, model, shapes, sizes, device=device, working_set=working_set)  # type: ignore[arg-type]
+        shown = plan.plan_layout(
+            recipe, model, shapes, sizes, device=device, working_set=working_set, policy=policy
+        )  # type: ignore[arg-type]
     else:
         p = recipe.parallel
         own = [q for q in plans if q.sizes == (p.pp, p.dp, p.cp, p.ep)]
@@ -155,7 +170,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit_text = "no device limit" if limit is None else f"{plan.human(limit)} per device"
     print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
           f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, "
-          f"gathers {'per parallel.gather' if working_set is None else working_set.value}")  # fmt: skip
+          f"gathers {'per parallel.gather' if working_set is None else working_set.value}, "
+          f"{plan.policy_text(policy)}")  # fmt: skip
     print(
         f"layouts ({len(fit)} of {len(plans)} fit{'; those that fit' if args.fitting else ''}), fewest idle first:"
     )
@@ -165,6 +181,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for line in plan.rank_lines(shown):
         print("  " + line)
     return 0
+
+
+def _plan_arguments(pl: argparse.ArgumentParser) -> None:
+    """The arguments of ``fmoe plan``."""
+    pl.add_argument("recipe", help="recipe TOML")
+    pl.add_argument("--nproc", type=int, required=True, help="processes (GPUs) of the job")
+    pl.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="memory per device, GiB (default: train.device_memory_gib; 0 or unset: no limit)")  # fmt: skip
+    pl.add_argument("--layout", default=None, metavar="PP,DP,CP,EP",
+                    help="print this layout's ranks (default: the recipe's, else the best that fits)")  # fmt: skip
+    pl.add_argument("--working-set", choices=["step", "unit"], default=None,
+                    help="plan gathers per step or per pipeline chunk / layer (default: what the "
+                         "recipe's parallel.gather makes parallel_step do)")  # fmt: skip
+    pl.add_argument("--fitting", action="store_true", help="list only the layouts that fit")
+    pl.add_argument("--recompute", choices=["none", "full", "selective"], default=None,
+                    help="plan with this memory.recompute (default: the recipe's)")  # fmt: skip
+    pl.add_argument("--merge-window", type=int, default=None, metavar="N",
+                    help="plan with this memory.merge_window (default: the recipe's)")  # fmt: skip
+    pl.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan with memory.offload on / off (default: the recipe's)",
+    )
+    pl.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field"
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -177,19 +220,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     pl = sub.add_parser("plan", help="memory per rank of each layout of N processes, and which fit")
-    pl.add_argument("recipe", help="recipe TOML")
-    pl.add_argument("--nproc", type=int, required=True, help="processes (GPUs) of the job")
-    pl.add_argument("--device-memory", type=float, default=None, metavar="GIB",
-                    help="memory per device, GiB (default: train.device_memory_gib; 0 or unset: no limit)")  # fmt: skip
-    pl.add_argument("--layout", default=None, metavar="PP,DP,CP,EP",
-                    help="print this layout's ranks (default: the recipe's, else the best that fits)")  # fmt: skip
-    pl.add_argument("--working-set", choices=["step", "unit"], default=None,
-                    help="plan gathers per step or per pipeline chunk / layer (default: what the "
-                         "recipe's parallel.gather makes parallel_step do)")  # fmt: skip
-    pl.add_argument("--fitting", action="store_true", help="list only the layouts that fit")
-    pl.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a field"
-    )
+    _plan_arguments(pl)
     pl.set_defaults(fn=cmd_plan)
 
     sub.add_parser("data", help="build packed token datasets", add_help=False)

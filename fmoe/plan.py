@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fmoe import pipeline
 from fmoe.gather_plan import per_unit
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
 from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, MicroBatch, rank_activation_peaks
 from fmoe.schedules.generators import generate
@@ -58,6 +59,7 @@ __all__ = [
     "human",
     "layout_name",
     "layouts",
+    "policy_text",
     "master_bytes",
     "optimizer_bytes",
     "plan_layout",
@@ -166,6 +168,7 @@ class LayoutPlan:
     bubble: float
     stage_terms: tuple[RankTerms, ...]  # index: pipeline rank
     activations_planned: bool = True  # False: a family the activation formulas do not know (0 counted)
+    policy: MemoryPolicy = field(default_factory=MemoryPolicy)  # the [memory] the activations assume
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -218,12 +221,15 @@ def plan_layout(
     table: Schedule | None = None,
     device: str = "cuda",
     working_set: WorkingSet | None = None,
+    policy: MemoryPolicy | None = None,
 ) -> LayoutPlan:
     """The plan of ``recipe`` on mesh ``sizes`` = (pp, dp, cp, ep).
 
     table: the pipeline schedule (default: the recipe's, made for pp); device: "cuda" or "cpu";
-    working_set: None plans what ``parallel_step`` will do (``recipe_working_set``)."""
+    working_set: None plans what ``parallel_step`` will do (``recipe_working_set``); policy: the
+    ``[memory]`` policy the activations are planned for (default: the recipe's ``memory``)."""
     pp, dp, cp, ep = sizes
+    policy = recipe.memory if policy is None else policy
     if working_set is None:
         working_set = recipe_working_set(recipe, sizes)
     t = recipe.train
@@ -232,15 +238,17 @@ def plan_layout(
     seqs = t.global_batch // (dp * ep) // t.microbatches
     mb = MicroBatch(seqs, recipe.data.seq_len // cp, recipe.data.seq_len, DTYPE_BYTES[t.dtype], device)
     bubble = max(simulate(table).bubble) if table is not None else 0.0
-    terms = tuple(_rank_terms(recipe, model, shapes, sizes, table, r, mb, working_set) for r in range(pp))
+    terms = tuple(
+        _rank_terms(recipe, model, shapes, sizes, table, r, mb, working_set, policy) for r in range(pp)
+    )
     name = "-" if table is None else (recipe.parallel.schedule if pp > 1 else "-")
     planned = recipe.model_family in ACTIVATION_FORMULAS
-    return LayoutPlan(pp, dp, cp, ep, name, bubble, terms, activations_planned=planned)
+    return LayoutPlan(pp, dp, cp, ep, name, bubble, terms, activations_planned=planned, policy=policy)
 
 
 def _rank_terms(
     recipe, model: Model, shapes: Mapping[str, Sequence[int]], sizes: tuple[int, int, int, int],
-    table: Schedule | None, r: int, mb: MicroBatch, working_set: WorkingSet,
+    table: Schedule | None, r: int, mb: MicroBatch, working_set: WorkingSet, policy: MemoryPolicy,
 ) -> RankTerms:  # fmt: skip
     """The terms of pipeline rank ``r`` (its dp = cp = ep = 0 member: every member holds the same)."""
     pp, dp, cp, ep = sizes
@@ -254,7 +262,7 @@ def _rank_terms(
     if family is not None:
         w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
         acts, acts_and_grads = rank_activation_peaks(
-            family, recipe.model, model, table, r, mb, w_bytes, t.microbatches
+            family, recipe.model, model, table, r, mb, w_bytes, t.microbatches, policy, ep
         )
     if working_set is WorkingSet.STEP:
         gathered = sum(_gathered_bytes(i, e, n in buffers) for n, i in infos.items())
@@ -304,14 +312,18 @@ def candidate_sizes(
 
 def layouts(
     recipe, model: Model, shapes, nproc: int, *, supports_cp: bool, device: str = "cuda",
-    working_set: WorkingSet | None = None,
+    working_set: WorkingSet | None = None, policy: MemoryPolicy | None = None,
 ) -> list[LayoutPlan]:  # fmt: skip
     """The plans of every layout of ``nproc`` processes the recipe can run, fewest idle first
     (bubble, then peak bytes). A pp whose schedule cannot be made (too few micro-batches) is left out."""
     plans = []
     for sizes in candidate_sizes(recipe, nproc, supports_cp, model.num_experts):
         try:
-            plans.append(plan_layout(recipe, model, shapes, sizes, device=device, working_set=working_set))
+            plans.append(
+                plan_layout(
+                    recipe, model, shapes, sizes, device=device, working_set=working_set, policy=policy
+                )
+            )
         except (ScheduleError, ValueError):
             continue
     return sorted(plans, key=lambda p: (round(p.bubble, 6), p.peak, p.sizes))
@@ -377,10 +389,19 @@ def device_limit_bytes(recipe, device_type: str, cuda_total: int | None = None) 
 def summary(plan: LayoutPlan, limit_bytes: float | None) -> str:
     """The compact block ``fmoe train`` prints at its start (rank 0)."""
     limit = "no limit" if limit_bytes is None else f"{human(limit_bytes)} per device"
-    head = f"memory plan, {layout_name(plan)} ({plan.schedule}, bubble {plan.bubble:.3f}), {limit}:"
+    head = (f"memory plan, {layout_name(plan)} ({plan.schedule}, bubble {plan.bubble:.3f}), {limit}, "
+            f"{policy_text(plan.policy)}:")  # fmt: skip
     if not plan.activations_planned:
         head += " (activations not planned: fmoe.plan has no formulas for this family)"
     return "\n".join([head, *rank_lines(plan)])
+
+
+def policy_text(policy: MemoryPolicy) -> str:
+    """The ``[memory]`` policy a plan's activations are for, in one phrase."""
+    roles = f" ({', '.join(policy.recompute_roles)})" if policy.recompute_roles else ""
+    window = "step" if policy.merge_window == 0 else str(policy.merge_window)
+    return (f"memory: recompute {policy.recompute}{roles}, merge_window {window}, "
+            f"offload {'on' if policy.offload else 'off'}")  # fmt: skip
 
 
 def table_lines(plans: Sequence[LayoutPlan], limit_bytes: float | None) -> list[str]:

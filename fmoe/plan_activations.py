@@ -7,6 +7,8 @@ formulas differ per family (MLA, attention sinks, shared experts), so they are k
 here (``ACTIVATION_FORMULAS``): the one place a new family adds a line. A rank's peak is its
 schedule's rows walked in order (:func:`pipeline_walk`, pp > 1) or the micro-batch executor's order
 (:func:`local_step_peaks`, pp = 1); :func:`rank_activation_peaks` picks the one a rank runs.
+The recipe's ``[memory]`` policy (``fmoe.memory_policy``) changes what a stage keeps between F and
+B (:func:`stage_kept_bytes`) and how long expert W operands live (``merge_window``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fmoe import pipeline
+from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -27,6 +30,9 @@ __all__ = [
     "expert_weight_grad_bytes",
     "local_step_peaks",
     "moe_stages",
+    "plan_stage_mode",
+    "stage_input_bytes",
+    "stage_kept_bytes",
     "pipeline_walk",
     "rank_activation_peaks",
     "stage_activation_bytes",
@@ -136,6 +142,88 @@ def stage_activation_bytes(
     raise ValueError(f"the memory plan has no activation formula for stage {stage.name!r} (role {kind!r})")
 
 
+def stage_input_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch) -> float:
+    """Bytes of the carry into one stage (what "full" recompute keeps per micro-batch): the hidden
+    state [T, H] in the compute dtype, the routed rows [k T, H] and their slot weights / ids for the
+    MoE stages between dispatch and aggregate, the token ids (embed) and labels (head)."""
+    e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
+    k = getattr(cfg, "num_experts_per_tok", 1)
+    role = stage.role
+    if role == "embed":
+        return t * INT64
+    if role == "head":
+        return t * (e * h + INT64)
+    routes = t * k * (e + INT64)  # top-k weights and expert ids travel with the hidden state
+    if role == "dispatch":
+        return t * e * h + routes
+    if role in ("mlp", "combine") and moe:
+        return t * k * e * h + routes
+    if role == "aggregate" and moe:
+        return t * e * h + t * k * e * h + routes  # the residual and the combined rows
+    return t * e * h
+
+
+def _selective_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch) -> float:
+    """The saved bytes "selective" drops from a stage: its RMSNorms' and SwiGLUs' outputs, taken from
+    the formulas' terms. The attn formulas fold each norm's input and output into their ``h`` terms;
+    only the two layer norms' outputs (the projections' and the router's inputs, [T, H] each) and
+    Qwen3's q/k norm outputs are counted as dropped; DeepSeek's q_a / kv_a norms are not separable
+    from the formula's lora terms, so they are counted as kept (conservative: the plan overstates)."""
+    e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
+    k = getattr(cfg, "num_experts_per_tok", 1)
+    if stage.role == "attn":
+        norms = 2 * h if moe else h  # without a router the post-attention norm is the mlp stage's
+        if family == "qwen3_moe":
+            head_dim = cfg.head_dim or h // cfg.num_attention_heads
+            norms += (cfg.num_attention_heads + cfg.num_key_value_heads) * head_dim
+        return t * e * norms
+    if stage.role == "mlp":
+        if not moe:
+            return t * e * (h + cfg.intermediate_size)  # its norm output and the SwiGLU output
+        if family == "gpt_oss":
+            return 0  # the clamped, biased SwiGLU's operands are not separable: counted as kept
+        shared = (cfg.n_shared_experts or 0) if family == "deepseek_v2" else 0
+        return t * e * cfg.moe_intermediate_size * (k + shared)
+    if stage.role == "head":
+        return t * e * h  # the final norm's output
+    return 0
+
+
+def plan_stage_mode(policy: MemoryPolicy, stage: Stage, ep: int) -> str:
+    """``MemoryPolicy.stage_mode`` for a plan (no context: ``ep`` > 1 stands for an "ep" group)."""
+    if stage.custom is not None:
+        return "none"
+    recomputed = (
+        policy.recompute != "none"
+        and (not policy.recompute_roles or stage.role in policy.recompute_roles)
+        and not (stage.role in EXCHANGE_ROLES and ep > 1)
+    )
+    if recomputed:
+        return policy.recompute
+    return "offload" if policy.offload else "none"
+
+
+def stage_kept_bytes(
+    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int, mode: str
+) -> tuple[float, float]:
+    """(bytes one micro-batch's stage keeps from its F to its B, bytes its B adds while it runs)
+    under ``mode`` (``plan_stage_mode``). "none": what F saves, nothing added; "full": the carry in,
+    and at B the whole saved set again (the recompute); "selective": F's saved bytes less the norms'
+    and SwiGLUs' outputs, which B remakes; "offload": the carry in stays (the saved tensors go to
+    the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
+    per stage), and at B the stage's saved set is back on the device."""
+    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts)
+    if mode == "none":
+        return saved, 0.0
+    if mode == "selective":
+        dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb))
+        return saved - dropped, dropped
+    # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
+    # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved
+    carry = stage_input_bytes(family, cfg, stage, moe, mb)
+    return carry, saved
+
+
 def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch) -> float:
     """What a pp = 1 step keeps per micro-batch and MoE layer for the expert weight GEMMs it merges
     over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
@@ -155,16 +243,20 @@ def moe_stages(model: Model) -> set[int]:
 
 
 def chunk_activation_bytes(
-    family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch
-) -> int:
-    """Saved activation bytes of one micro-batch through the given model stages."""
+    family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch,
+    policy: MemoryPolicy | None = None, ep: int = 1,
+) -> tuple[int, int]:  # fmt: skip
+    """(activation bytes one micro-batch keeps through the given stages from F to B under ``policy``
+    (None: recompute none, no offload), the most a single stage's B adds: its recompute or reload)."""
     moe = moe_stages(model)
-    return int(
-        sum(
-            stage_activation_bytes(family, cfg, model.stages[i], i in moe, mb, model.num_experts)
-            for i in stage_indices
-        )
-    )
+    policy = policy or MemoryPolicy()
+    kept = extra = 0.0
+    for i in stage_indices:
+        st = model.stages[i]
+        mode = plan_stage_mode(policy, st, ep)
+        k, x = stage_kept_bytes(family, cfg, st, i in moe, mb, model.num_experts, mode)
+        kept, extra = kept + k, max(extra, x)
+    return int(kept), int(extra)
 
 
 def backward_transient_bytes(
@@ -219,43 +311,50 @@ def pipeline_walk(table: Schedule, rank: int, chunks: Sequence[ChunkMemory]) -> 
 
 
 def local_step_peaks(
-    one: int, transient: int, expert_keep: int, dense_grads: int, all_grads: int, microbatches: int
-) -> tuple[int, int]:
+    one: int, transient: int, expert_keep: int, dense_grads: int, all_grads: int, microbatches: int,
+    window: int = 0,
+) -> tuple[int, int]:  # fmt: skip
     """pp = 1 (``parallel._local_step``): (most activation bytes at once, most activation plus
     gradient bytes). Micro-batch after micro-batch: F of every stage, B, W - but the expert weight
-    GEMMs wait for the step's end (``merge_later``), keeping ``expert_keep`` bytes per micro-batch.
-    The last micro-batch's B of the head is the activations' peak (the earlier micro-batches' dense
-    gradients exist by then); the step's end, every micro-batch's expert operands and all gradients."""
-    during = one + (microbatches - 1) * expert_keep + transient
-    end = microbatches * expert_keep
+    GEMMs wait for their merge window's last B (``window`` micro-batches, 0: the step's end),
+    keeping ``expert_keep`` bytes per micro-batch meanwhile. The last micro-batch's B of the head is
+    the activations' peak (the earlier micro-batches' dense gradients exist by then); the window's
+    end, its micro-batches' expert operands and all gradients."""
+    held = microbatches if window == 0 else min(window, microbatches)
+    during = one + (held - 1) * expert_keep + transient
+    end = held * expert_keep
     return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
 
 
 def rank_activation_peaks(
     family: str, cfg, model: Model, table: Schedule | None, rank: int, mb: MicroBatch,
-    grad_bytes: Mapping[str, int], microbatches: int,
+    grad_bytes: Mapping[str, int], microbatches: int, policy: MemoryPolicy | None = None, ep: int = 1,
 ) -> tuple[int, int]:  # fmt: skip
     """(most activation bytes pipeline rank ``rank`` holds at once, most activation plus gradient
     bytes) over one step. family: a key of ``ACTIVATION_FORMULAS``; table: the schedule (None:
-    pp = 1); grad_bytes: {name: bytes of its full gradient} of the rank's parameters."""
+    pp = 1); grad_bytes: {name: bytes of its full gradient} of the rank's parameters; policy: the
+    recipe's ``[memory]`` (None: the defaults); ep: the expert-parallel size (exchanges not recomputed)."""
+    policy = policy or MemoryPolicy()
     if table is not None:
         smap = pipeline.schedule_stage_map(model, table)
         chunks = []
         for c in range(table.chunks):
             idx = smap[(rank, c)]
             names = {n for i in idx for n in model.stages[i].params}
-            chunks.append(ChunkMemory(chunk_activation_bytes(family, cfg, model, idx, mb),
-                                      backward_transient_bytes(family, cfg, model, idx, mb),
+            kept, extra = chunk_activation_bytes(family, cfg, model, idx, mb, policy, ep)
+            chunks.append(ChunkMemory(kept, backward_transient_bytes(family, cfg, model, idx, mb) + extra,
                                       sum(grad_bytes[n] for n in names)))  # fmt: skip
         return pipeline_walk(table, rank, chunks)
     every = range(len(model.stages))
     moe = moe_stages(model)  # once: asked per layer it made the plan quadratic
     moe_layers = sum(1 for u in pipeline.layer_units(model)[1] if set(u) & moe)
+    kept, extra = chunk_activation_bytes(family, cfg, model, every, mb, policy, ep)
     return local_step_peaks(
-        chunk_activation_bytes(family, cfg, model, every, mb),
-        backward_transient_bytes(family, cfg, model, every, mb),
+        kept,
+        backward_transient_bytes(family, cfg, model, every, mb) + extra,
         moe_layers * int(expert_weight_grad_bytes(family, cfg, mb)),
         sum(b for n, b in grad_bytes.items() if n not in model.expert_params),
         sum(grad_bytes.values()),
         microbatches,
+        policy.merge_window,
     )

@@ -150,7 +150,9 @@ def check_memory_plan(recipe: Recipe, model, shapes, table, mesh, device: torch.
     cuda_total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     limit = memory_plan.device_limit_bytes(recipe, device.type, cuda_total)
     sizes = (mesh.pp, mesh.dp, mesh.cp, mesh.ep)
-    the_plan = memory_plan.plan_layout(recipe, model, shapes, sizes, table=table, device=device.type)
+    the_plan = memory_plan.plan_layout(
+        recipe, model, shapes, sizes, table=table, device=device.type, policy=recipe.memory
+    )
     refused = None if limit is None else memory_plan.refusal(the_plan, limit)
     if refused is not None:
         raise RecipeError(f"{recipe.path}: {refused} (train.device_memory_gib sets the limit)")

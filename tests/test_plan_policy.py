@@ -119,7 +119,9 @@ def test_full_keeps_less_than_selective_less_than_none_and_window_one_less_than_
 def test_the_plan_takes_the_recipes_policy_and_says_which(capsys):
     from fmoe.cli import main
 
-    recipe = R.load(REPO / "recipes" / "qwen3_30b_a3b.toml", {"memory.recompute": "full"})
+    recipe = R.load(
+        REPO / "recipes" / "qwen3_30b_a3b.toml", {"memory.recompute": "full", "memory.merge_window": 0}
+    )
     fam = family_module(recipe.model_family)
     model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
     own = plan.plan_layout(recipe, model, shapes, (1, 1, 1, 8))

@@ -11,12 +11,8 @@ between F and B) is refused by B.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
+import memory_probe
 import pytest
 import torch
 from conftest import random_batch, tiny_config
@@ -228,58 +224,12 @@ def test_a_recompute_refuses_an_input_or_parameter_written_since_its_forward(mon
 
 
 # ------------------------------------------------------------------------------------------------
-# memory, measured (a child process whose C allocator returns every block of 64 KiB or more)
-
-PROBE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import torch
-from conftest import random_batch, tiny_config
-from fmoe import memory, runner
-from fmoe.memory_policy import MemoryPolicy
-from fmoe.stages import qwen3_moe
-from fmoe.stages.spec import StageContext
-torch.set_num_threads(1)
-cpu = torch.device("cpu")
-cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=(), hidden_size=64, moe_intermediate_size=256,
-                  num_experts=4, num_experts_per_tok=2)
-model = qwen3_moe.build(cfg)
-params = model.init(seed=1)
-out = {{}}
-# the first pass (unmeasured) makes what a process allocates once: the others measure only F
-for mode in ("warm-up", "none", "selective", "full"):  # bytes held after F of one micro-batch, before its B
-    batch = runner.with_positions(random_batch(cfg, 2, 1024, seed=5))
-    policy, terms = MemoryPolicy(recompute=mode.replace("warm-up", "none")), runner.LossTerms(model)
-    base = memory.reset_peak(cpu)
-    carry, fwds = (), []
-    for i, stage in enumerate(model.stages):
-        carry, fwd = runner.forward_stage(0, i, stage, params, carry, batch, StageContext(), terms, memory=policy)
-        fwds.append(fwd)
-    out[mode] = memory.current_bytes(cpu) - base
-    del fwds, carry
-for window in (0, 1):  # the peak of a step of 8 micro-batches
-    batch = random_batch(cfg, 8, 512, seed=5)
-    base = memory.reset_peak(cpu)
-    runner.run_sequential(model, params, batch, 8, memory=MemoryPolicy(merge_window=window))
-    out[f"window {{window}}"] = memory.peak_bytes(cpu) - base
-out.pop("warm-up")
-print(json.dumps(out))
-"""
+# memory, measured (tests/memory_probe.py)
 
 
 @pytest.mark.skipif(not memory.can_measure(torch.device("cpu")), reason="needs Linux /proc")
 def test_recompute_keeps_less_than_none_and_the_merge_window_bounds_the_expert_operands():
-    tests = str(Path(__file__).parent)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join(sys.path))
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE.format(tests=tests)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    held = json.loads(run.stdout.strip().splitlines()[-1])
+    held = memory_probe.measure()
     mib = {k: round(v / 2**20, 1) for k, v in held.items()}
     # one micro-batch of 2048 tokens keeps ~45 MiB of saved activations under "none"; "full" keeps
     # only the stages' inputs (the residual stream, the routed rows: a few MiB); "selective" gives

@@ -4,86 +4,55 @@ real recipe's shapes."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import memory_probe
 import pytest
 import torch
+from conftest import tiny_config
 
-from fmoe import memory, plan
+from fmoe import memory, plan, plan_activations
 from fmoe import recipe as R
 from fmoe.hf import family as family_module
 from fmoe.memory_policy import MemoryPolicy
+from fmoe.stages import qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
 
-# One micro-batch's F through every stage, held bytes measured per recompute mode (as
-# tests/test_memory_policy.py does), beside what the plan keeps for it; then an 8 micro-batch step's
-# peak per merge window, beside the plan's activation peak of that step.
-PROBE = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import torch
-from conftest import random_batch, tiny_config
-from fmoe import memory, plan_activations as A, runner
-from fmoe.memory_policy import MemoryPolicy
-from fmoe.stages import qwen3_moe
-from fmoe.stages.spec import StageContext
-torch.set_num_threads(1)
-cpu = torch.device("cpu")
-cfg = tiny_config(num_hidden_layers=2, mlp_only_layers=(), hidden_size=64, moe_intermediate_size=256,
-                  num_experts=4, num_experts_per_tok=2)
-model = qwen3_moe.build(cfg)
-params = model.init(seed=1)
-every = range(len(model.stages))
-out = {{}}
-for mode in ("warm-up", "none", "selective", "full"):  # bytes held after F of one micro-batch, before its B
-    batch = runner.with_positions(random_batch(cfg, 2, 1024, seed=5))
-    policy, terms = MemoryPolicy(recompute=mode.replace("warm-up", "none")), runner.LossTerms(model)
-    base = memory.reset_peak(cpu)
-    carry, fwds = (), []
-    for i, stage in enumerate(model.stages):
-        carry, fwd = runner.forward_stage(0, i, stage, params, carry, batch, StageContext(), terms, memory=policy)
-        fwds.append(fwd)
-    held = memory.current_bytes(cpu) - base
-    del fwds, carry
-    mb = A.MicroBatch(2, 1024, 1024, 4, "cpu")
-    out[mode] = (held, A.chunk_activation_bytes("qwen3_moe", cfg, model, every, mb, policy)[0])
-for window in (-1, 0, 1):  # the peak of a step of 8 micro-batches (-1: an unmeasured warm-up step)
-    batch = random_batch(cfg, 8, 512, seed=5)
-    base = memory.reset_peak(cpu)
-    policy = MemoryPolicy(merge_window=max(window, 0))
-    runner.run_sequential(model, params, batch, 8, memory=policy)
-    grads = {{n: p.numel() * p.element_size() for n, p in params.items()}}
-    planned = A.rank_activation_peaks("qwen3_moe", cfg, model, None, 0, A.MicroBatch(1, 512, 512, 4, "cpu"),
-                                      grads, 8, policy)[1]  # activations and the step's gradients
-    out[f"window {{window}}"] = (memory.peak_bytes(cpu) - base, planned)
-out.pop("warm-up"), out.pop("window -1")
-print(json.dumps(out))
-"""
+
+def planned_bytes() -> dict[str, int]:
+    """What the plan keeps for ``memory_probe``'s runs: one micro-batch's F through every stage
+    per recompute mode; the activation peak (with the step's gradients) of its step per window."""
+    cfg = tiny_config(**memory_probe.CONFIG)
+    model = qwen3_moe.build(cfg)
+    every = range(len(model.stages))
+    b, s = memory_probe.FORWARD_BATCH
+    out = {}
+    for mode in ("none", "selective", "full"):
+        mb = plan_activations.MicroBatch(b, s, s, 4, "cpu")
+        out[mode] = plan_activations.chunk_activation_bytes(
+            "qwen3_moe", cfg, model, every, mb, MemoryPolicy(recompute=mode)
+        )[0]
+    grads = {n: p.numel() * p.element_size() for n, p in model.init(seed=1).items()}
+    b, s = memory_probe.STEP_BATCH
+    n = memory_probe.STEP_MICROBATCHES
+    for window in (0, 1):
+        mb = plan_activations.MicroBatch(b // n, s, s, 4, "cpu")
+        policy = MemoryPolicy(merge_window=window)
+        out[f"window {window}"] = plan_activations.rank_activation_peaks(
+            "qwen3_moe", cfg, model, None, 0, mb, grads, n, policy
+        )[1]
+    return out
 
 
 @pytest.mark.skipif(not memory.can_measure(torch.device("cpu")), reason="needs Linux /proc")
 def test_the_planned_bytes_of_each_policy_follow_the_measured_ones():
-    tests = str(Path(__file__).parent)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join(sys.path))
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE.format(tests=tests)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    mib = {k: (round(m / 2**20, 1), round(p / 2**20, 1)) for k, (m, p) in got.items()}  # (measured, planned)
-    print(mib)
+    measured, planned = memory_probe.measure(), planned_bytes()
+    mib = {
+        k: (round(measured[k] / 2**20, 1), round(planned[k] / 2**20, 1)) for k in measured
+    }  # (measured, planned)
     for mode in ("none", "selective", "full", "window 0", "window 1"):
-        measured, planned = got[mode]
-        assert abs(planned - measured) < TOLERANCE[mode] * measured, (mode, mib)
+        assert abs(planned[mode] - measured[mode]) < TOLERANCE[mode] * measured[mode], (mode, mib)
 
 
 # Why these tolerances: "none" is the calibrated formula (tests/test_plan.py: each stage within

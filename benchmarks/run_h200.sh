@@ -3,8 +3,8 @@
 #   OUT=/tmp/out benchmarks/run_h200.sh tier     # before/after Qwen3 step (before_tree/: an older
 #                                                # commit, `git archive <commit> | tar -x -C before_tree`),
 #                                                # the GPU test tier (memory policies included)
-#   OUT=/tmp/out benchmarks/run_h200.sh policies 4  # per-layer table at 4 (then 8) layers: eager, fmoe with
-#                                                # graphs, and each memory policy, side by side
+#   OUT=/tmp/out benchmarks/run_h200.sh policies [SIDES]  # per-layer table, 4 and 8 layers: eager, fmoe
+#                                                # (with graphs), and each memory policy, side by side
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 set -u
 cd "$(dirname "$0")/.."
@@ -25,11 +25,13 @@ tier)
   timeout 300 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_memory_policy_cuda.py \
     2>&1 | tail -15 | tee "$OUT/cuda_tier.txt"
   ;;
-policies)  # one layer count (L=4 or 8): the memory policies side by side with eager and fmoe
-  L=${2:-4}
-  timeout 560 python3 -m benchmarks.train_throughput --layers $L $QWEN \
-    --sides eager,fmoe_graphs,fmoe_graphs_recompute_full,fmoe_graphs_recompute_selective,fmoe_graphs_window1,fmoe_offload \
-    --out "$OUT/policies_L$L.json" 2>&1 | grep -E "ms/step|Error|error"
+policies)  # the memory policies side by side with eager and fmoe, at 4 (with a profile: the GPU's idle
+  # share) and 8 layers in one call, so per layer = (8-layer step - 4-layer step) / 4 on one host
+  SIDES=eager,fmoe,fmoe_graphs,fmoe_graphs_recompute_full,fmoe_graphs_recompute_selective,fmoe_graphs_window1,fmoe_offload
+  timeout 250 python3 -m benchmarks.train_throughput --layers 4 $QWEN --sides ${2:-$SIDES} --profile \
+    --out "$OUT/policies_L4.json" 2>&1 | grep -E "ms/step|Error|error"
+  timeout 300 python3 -m benchmarks.train_throughput --layers 8 $QWEN --sides ${2:-$SIDES} \
+    --out "$OUT/policies_L8.json" 2>&1 | grep -E "ms/step|Error|error"
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

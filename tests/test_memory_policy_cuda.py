@@ -100,6 +100,47 @@ def test_an_offloaded_tensor_never_comes_back_before_its_copy_to_the_host():
     )
 
 
+GRAPHED_POLICIES = {
+    "recompute_full": {"recompute": "full"},
+    "recompute_selective": {"recompute": "selective"},
+    "window1": {"merge_window": 1},
+    "window1_selective_mlp": {"merge_window": 1, "recompute": "selective", "recompute_roles": ["mlp"]},
+}
+
+
+@pytest.mark.parametrize("memory", list(GRAPHED_POLICIES.values()), ids=list(GRAPHED_POLICIES))
+def test_a_policy_under_cuda_graphs_is_bitwise_its_eager_run(tmp_path, dataset, memory):
+    """`fmoe train` with train.cuda_graphs and a [memory] policy: the graph is captured with the
+    policy's recomputation and merge windows, and its losses and parameters are bit for bit those
+    of the eager run of the same recipe (the policy itself changes no bit: the test above)."""
+    from fmoe import recipe as R
+    from fmoe.train import train
+
+    model = dict(
+        family="qwen3_moe", vocab_size=384, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, intermediate_size=512, mlp_only_layers=[0], router_aux_loss_coef=0.01,
+    )  # fmt: skip
+
+    def run(folder: str, graphs: bool):
+        recipe = {
+            "model": model,
+            "data": {"path": dataset, "seq_len": 256},
+            "train": {"steps": 5, "global_batch": 4, "microbatches": 2, "device": "cuda", "dtype": "bfloat16",
+                      "cuda_graphs": graphs},
+            "optim": {"lr": 1e-3, "warmup": 2},
+            "memory": memory,
+            "checkpoint": {"dir": str(tmp_path / folder / "ckpt"), "every": 5, "keep": 1},
+            "log": {"dir": str(tmp_path / folder / "log"), "every": 5, "progress": False},
+        }  # fmt: skip
+        return train(R.from_dict(recipe))
+
+    eager, graphed = run("eager", False), run("graphed", True)
+    assert graphed.losses == eager.losses
+    for name, t in eager.params.items():
+        assert torch.equal(graphed.params[name], t), name
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--without-the-wait"]:
     offload.MIN_BYTES = 0
     reference = step()

@@ -122,7 +122,9 @@ def _plan_policy(memory, args: argparse.Namespace):
     changes = {k: v for k, v in changes.items() if v is not None}
     if args.auto:
         if changes:
-            raise UsageError(f"--auto lets the plan pick the policy: drop --{next(iter(changes)).replace('_', '-')}")
+            raise UsageError(
+                f"--auto lets the plan pick the policy: drop --{next(iter(changes)).replace('_', '-')}"
+            )
         return MemoryPolicy(policy="auto")
     if not changes:
         return memory
@@ -178,7 +180,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise RecipeError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
                          f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
     shown = _shown_layout(
-        args, recipe, choices, limit, lambda sizes: plan_policy.choose(recipe, model, shapes, sizes, limit, **options)
+        args,
+        recipe,
+        choices,
+        limit,
+        lambda sizes: plan_policy.choose(recipe, model, shapes, sizes, limit, **options),
     )
     params = sum(math.prod(s) for s in shapes.values())
     fit = [c for c in choices if c.plan.fits(limit)]

@@ -49,7 +49,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch-free: a recipe is read without it
     from fmoe.stages.spec import Stage, StageContext
 
-__all__ = ["EXCHANGE_ROLES", "POLICIES", "POLICY_FIELDS", "RECOMPUTE_MODES", "STAGE_MODES", "MemoryPolicy", "memory_table"]
+__all__ = [
+    "EXCHANGE_ROLES",
+    "POLICIES",
+    "POLICY_FIELDS",
+    "RECOMPUTE_MODES",
+    "STAGE_MODES",
+    "MemoryPolicy",
+    "memory_table",
+]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 # what a stage's F does with what autograd saves (``fmoe.stage.forward``): keep it, keep nothing and

@@ -258,9 +258,17 @@ def plan_policies(
     name = "-" if table is None else (recipe.parallel.schedule if pp > 1 else "-")
     planned = recipe.model_family in ACTIVATION_FORMULAS
     return [
-        LayoutPlan(pp, dp, cp, ep, name, bubble,
-                   tuple(_rank_terms(recipe, model, table, s, mb, working_set, policy, ep) for s in states),
-                   activations_planned=planned, policy=policy)  # fmt: skip
+        LayoutPlan(
+            pp,
+            dp,
+            cp,
+            ep,
+            name,
+            bubble,
+            tuple(_rank_terms(recipe, model, table, s, mb, working_set, policy, ep) for s in states),
+            activations_planned=planned,
+            policy=policy,
+        )  # fmt: skip
         for policy in policies
     ]
 
@@ -311,7 +319,16 @@ def _rank_terms(
     acts = acts_and_grads = 0
     if family is not None:
         acts, acts_and_grads = rank_activation_peaks(
-            family, recipe.model, model, table, s.pp_rank, mb, s.grad_bytes, recipe.train.microbatches, policy, ep
+            family,
+            recipe.model,
+            model,
+            table,
+            s.pp_rank,
+            mb,
+            s.grad_bytes,
+            recipe.train.microbatches,
+            policy,
+            ep,
         )
     if working_set is WorkingSet.STEP:
         peak = s.params + s.optimizer + max(s.gathered + acts_and_grads, s.grads)

@@ -73,7 +73,9 @@ def choose(
     policy = recipe.memory if policy is None else policy
     auto = policy.policy == "auto"
     tried = candidates(sizes[0], recipe.train.microbatches) if auto else [policy]
-    plans = plan_policies(recipe, model, shapes, sizes, tried, table=table, device=device, working_set=working_set)
+    plans = plan_policies(
+        recipe, model, shapes, sizes, tried, table=table, device=device, working_set=working_set
+    )
     costs = [policy_cost(recipe, model, p, device, rates) for p in plans]
     fitting = [i for i, p in enumerate(plans) if p.fits(limit_bytes)]
     if fitting:

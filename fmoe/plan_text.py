@@ -68,7 +68,9 @@ def refusal(plan: LayoutPlan, limit_bytes: float, auto: bool = False) -> str | N
     )
 
 
-def summary(plan: LayoutPlan, limit_bytes: float | None, cost: TimeCost | None = None, auto: bool = False) -> str:
+def summary(
+    plan: LayoutPlan, limit_bytes: float | None, cost: TimeCost | None = None, auto: bool = False
+) -> str:
     """The compact block ``fmoe train`` prints at its start (rank 0) and keeps in memory_plan.txt:
     the layout, the limit, the policy (and whether "auto" chose it) and its modelled time cost."""
     limit = "no limit" if limit_bytes is None else f"{human(limit_bytes)} per device"

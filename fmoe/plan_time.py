@@ -59,7 +59,12 @@ class Rates:
             if not getattr(self, name) > 0:
                 raise ValueError(f"Rates.{name} must be > 0, got {getattr(self, name)!r}")
         rows = [r for r, _ in self.grouped_tflops]
-        if not rows or rows != sorted(set(rows)) or rows[0] < 1 or any(not t > 0 for _, t in self.grouped_tflops):
+        if (
+            not rows
+            or rows != sorted(set(rows))
+            or rows[0] < 1
+            or any(not t > 0 for _, t in self.grouped_tflops)
+        ):
             raise ValueError(
                 f"Rates.grouped_tflops must be (rows >= 1, TFLOP/s > 0) pairs, rows ascending, got {self.grouped_tflops!r}"
             )

@@ -287,8 +287,18 @@ def test_fmoe_plan_ranks_layouts_by_bubble_and_says_which_fit(capsys):
                                           4, supports_cp=True, device="cpu")]  # fmt: skip
     limit_gib = (min(peaks) + max(peaks)) / 2 / plan.GiB
     assert (
-        main(["plan", str(REPO / "recipes" / "tiny.toml"), "--nproc", "4", "--device-memory", str(limit_gib),
-              "--recompute", "none"])  # fmt: skip
+        main(
+            [
+                "plan",
+                str(REPO / "recipes" / "tiny.toml"),
+                "--nproc",
+                "4",
+                "--device-memory",
+                str(limit_gib),
+                "--recompute",
+                "none",
+            ]
+        )  # fmt: skip
         == 0
     )
     fits = [

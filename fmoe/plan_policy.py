@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fmoe.memory_policy import RECOMPUTE_MODES, MemoryPolicy
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.plan import LayoutPlan, WorkingSet, candidate_sizes, micro_batch, plan_policies
 from fmoe.plan_time import H200_RATES, Rates, TimeCost, policy_time
 from fmoe.schedules.table import Schedule, ScheduleError
@@ -51,7 +51,7 @@ def candidates(pp: int, microbatches: int) -> list[MemoryPolicy]:
     return [
         MemoryPolicy(merge_window=w, recompute=recompute, offload=offload)
         for offload in (False, True)
-        for recompute in RECOMPUTE_MODES
+        for recompute in ("none", "selective", "full")
         for w in windows
     ]
 

@@ -127,18 +127,21 @@ def test_auto_picks_the_fastest_policy_that_fits():
     assert unlimited.cost.extra_s == 0
     peak = {p: plan.plan_layout(recipe, model, shapes, sizes, policy=p).peak
             for p in plan_policy.candidates(1, recipe.train.microbatches)}  # fmt: skip
-    step, window1, window2 = (peak[MemoryPolicy(merge_window=w)] for w in (0, 1, 2))
-    assert window1 < window2 < step
-    # window 1 fits, window 2 does not (nor does window 4, the table's top: it would cost nothing)
-    limit = (window1 + window2) / 2
+    step, window1, window2, window4 = (peak[MemoryPolicy(merge_window=w)] for w in (0, 1, 2, 4))
+    assert window1 < window2 < window4 < step
+    # window 2 fits, window 4 (the table's top: it would cost nothing) does not; window 1 fits too,
+    # and comes first among the candidates, but its shorter expert GEMMs cost more time
+    limit = (window2 + window4) / 2
     chosen = plan_policy.choose(recipe, model, shapes, sizes, limit)
-    assert chosen.fits and chosen.plan.peak <= limit < step
+    assert chosen.fits and chosen.plan.peak <= limit < window4
     mb = plan.micro_batch(recipe, sizes, "cuda")
     extra = {p: plan_time.policy_time("qwen3_moe", recipe.model, model, mb, recipe.train.microbatches, 1, 1, p).extra_s
              for p in peak}  # fmt: skip
     fastest = min(extra[p] for p in peak if peak[p] <= limit)
     assert chosen.cost.extra_s == pytest.approx(fastest) and fastest > 0
-    assert chosen.cost.extra_s <= extra[MemoryPolicy(merge_window=1)]
+    first_fitting = next(p for p in plan_policy.candidates(1, recipe.train.microbatches) if peak[p] <= limit)
+    assert first_fitting == MemoryPolicy(merge_window=1) and extra[first_fitting] > fastest
+    assert chosen.policy == MemoryPolicy(merge_window=2)
     # nothing fits: the smallest peak, marked so
     least = plan_policy.choose(recipe, model, shapes, sizes, 1.0)
     assert not least.fits and least.plan.peak == min(peak.values())

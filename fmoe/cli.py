@@ -7,7 +7,7 @@
     fmoe schedule show NAME --pp P --microbatches M [--png FILE] [--csv FILE]
     fmoe schedule check FILE.csv
     fmoe plan RECIPE --nproc N [--device-memory GIB] [--layout PP,DP,CP,EP] [--fitting]
-              [--recompute none|full|selective] [--merge-window N] [--[no-]offload] [--set ...]
+              [--auto | --recompute none|full|selective --merge-window N --[no-]offload] [--set ...]
 
 Run on several processes with ``torchrun --nproc-per-node N -m fmoe train RECIPE``.
 Bad input ends with one line, ``fmoe: error: ...``, naming the field or file, and exit status 2
@@ -112,18 +112,50 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def _plan_policy(memory, args: argparse.Namespace):
-    """The recipe's ``[memory]`` with ``fmoe plan``'s --recompute / --merge-window / --offload applied."""
+    """The recipe's ``[memory]`` with ``fmoe plan``'s overrides: --auto plans ``memory.policy =
+    "auto"``; --recompute / --merge-window / --offload plan that explicit policy (on the recipe's)."""
     import dataclasses
 
+    from fmoe.memory_policy import MemoryPolicy
+
     changes = {"recompute": args.recompute, "merge_window": args.merge_window, "offload": args.offload}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if args.auto:
+        if changes:
+            raise UsageError(
+                f"--auto lets the plan pick the policy: drop --{next(iter(changes)).replace('_', '-')}"
+            )
+        return MemoryPolicy(policy="auto")
+    if not changes:
+        return memory
     try:
-        return dataclasses.replace(memory, **{k: v for k, v in changes.items() if v is not None})
+        return dataclasses.replace(memory, policy="explicit", **changes)
     except ValueError as err:
         raise UsageError(str(err)) from None
 
 
+def _shown_layout(args, recipe, choices, limit, pick):
+    """The layout whose ranks ``fmoe plan`` prints: --layout's, else the recipe's if it fits, else
+    the best that does, else the recipe's (to see why not)."""
+    if args.layout:
+        try:
+            sizes = tuple(int(v) for v in args.layout.split(","))
+        except ValueError:
+            sizes = ()
+        if len(sizes) != 4:
+            raise UsageError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
+        if sizes not in [c.plan.sizes for c in choices]:
+            raise UsageError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
+                             f"(see the list without --layout)")  # fmt: skip
+        return pick(sizes)
+    p = recipe.parallel
+    own = [c for c in choices if c.plan.sizes == (p.pp, p.dp, p.cp, p.ep)]
+    fitting = [c for c in choices if c.plan.fits(limit)]
+    return ([c for c in own if c.plan.fits(limit)] or fitting or own or choices)[0]
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fmoe import plan
+    from fmoe import plan, plan_policy, plan_text
     from fmoe import recipe as R
     from fmoe.check import check_family
     from fmoe.hf import family as family_module
@@ -141,44 +173,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, shapes = fam.build(recipe.model), fam.param_shapes(recipe.model)
     working_set = None if args.working_set is None else plan.WorkingSet(args.working_set)
     policy = _plan_policy(recipe.memory, args)
-    plans = plan.layouts(recipe, model, shapes, args.nproc, device=device, working_set=working_set,
-                         supports_cp=fam.supports_context_parallel, policy=policy)  # fmt: skip
-    if not plans:
+    options = {"device": device, "working_set": working_set, "policy": policy}
+    choices = plan_policy.choose_layouts(recipe, model, shapes, args.nproc, limit,
+                                         supports_cp=fam.supports_context_parallel, **options)  # fmt: skip
+    if not choices:
         raise RecipeError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
                          f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
-    if args.layout:
-        try:
-            sizes = tuple(int(v) for v in args.layout.split(","))
-        except ValueError:
-            sizes = ()
-        if len(sizes) != 4:
-            raise UsageError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
-        if sizes not in [q.sizes for q in plans]:
-            raise UsageError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
-                             f"(see the list without --layout)")  # fmt: skip
-        shown = plan.plan_layout(
-            recipe, model, shapes, sizes, device=device, working_set=working_set, policy=policy
-        )  # type: ignore[arg-type]
-    else:
-        p = recipe.parallel
-        own = [q for q in plans if q.sizes == (p.pp, p.dp, p.cp, p.ep)]
-        fitting = [q for q in plans if q.fits(limit)]
-        # the recipe's layout if it fits, else the best that does, else the recipe's (to see why not)
-        shown = ([q for q in own if q.fits(limit)] or fitting or own or plans)[0]
+    shown = _shown_layout(
+        args,
+        recipe,
+        choices,
+        limit,
+        lambda sizes: plan_policy.choose(recipe, model, shapes, sizes, limit, **options),
+    )
     params = sum(math.prod(s) for s in shapes.values())
-    fit = [q for q in plans if q.fits(limit)]
-    limit_text = "no device limit" if limit is None else f"{plan.human(limit)} per device"
+    fit = [c for c in choices if c.plan.fits(limit)]
+    listed = fit if args.fitting else choices
+    limit_text = "no device limit" if limit is None else f"{plan_text.human(limit)} per device"
+    who = "memory.policy = 'auto': each layout's fastest policy that fits" if policy.policy == "auto" else (
+        plan_text.policy_text(policy))  # fmt: skip
     print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
           f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, "
-          f"gathers {'per parallel.gather' if working_set is None else working_set.value}, "
-          f"{plan.policy_text(policy)}")  # fmt: skip
-    print(
-        f"layouts ({len(fit)} of {len(plans)} fit{'; those that fit' if args.fitting else ''}), fewest idle first:"
-    )
-    for line in plan.table_lines(fit if args.fitting else plans, limit):
+          f"gathers {'per parallel.gather' if working_set is None else working_set.value}, {who}")  # fmt: skip
+    print(f"layouts ({len(fit)} of {len(choices)} fit{'; those that fit' if args.fitting else ''}), fewest idle "
+          f"first; time: the policy's modelled extra time per layer (fmoe.plan_time):")  # fmt: skip
+    for line in plan_text.table_lines([c.plan for c in listed], limit, listed):
         print("  " + line)
-    print(f"per rank, {plan.layout_name(shown)} ({shown.schedule}, bubble {shown.bubble:.3f}):")
-    for line in plan.rank_lines(shown):
+    print(f"per rank, {plan_text.layout_name(shown.plan)} ({shown.plan.schedule}, bubble {shown.plan.bubble:.3f}), "
+          f"{plan_text.choice_text(shown.policy, shown.cost, shown.auto)}:")  # fmt: skip
+    for line in plan_text.rank_lines(shown.plan):
         print("  " + line)
     return 0
 
@@ -195,6 +218,8 @@ def _plan_arguments(pl: argparse.ArgumentParser) -> None:
                     help="plan gathers per step or per pipeline chunk / layer (default: what the "
                          "recipe's parallel.gather makes parallel_step do)")  # fmt: skip
     pl.add_argument("--fitting", action="store_true", help="list only the layouts that fit")
+    pl.add_argument("--auto", action="store_true",
+                    help="plan with memory.policy = 'auto': each layout's fastest policy that fits")  # fmt: skip
     pl.add_argument("--recompute", choices=["none", "full", "selective"], default=None,
                     help="plan with this memory.recompute (default: the recipe's)")  # fmt: skip
     pl.add_argument("--merge-window", type=int, default=None, metavar="N",

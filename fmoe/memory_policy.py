@@ -5,6 +5,14 @@
     recompute = "full"         # "none" | "full" | "selective"
     recompute_roles = ["mlp"]  # the stage roles it applies to (empty: every role)
     offload = true             # the other stages' saved tensors wait in host memory (default false)
+    policy = "explicit"        # "auto" | "explicit": who picks the four above (see below)
+
+policy: "auto" (a recipe's default when it sets none of merge_window, recompute, recompute_roles,
+offload) lets the memory plan pick them: ``fmoe train`` runs the fastest policy (``fmoe.plan_time``)
+whose planned peak fits the device (``fmoe.plan_policy.choose``); with no device limit (a CPU run)
+that is recompute none, merge_window 0, offload off. "explicit" runs the fields as set (the
+default of a ``MemoryPolicy`` built in code; a recipe that sets any of the four). An "auto" policy
+is never run as such: ``fmoe.train_setup`` resolves it to an explicit one once, before the first step.
 
 merge_window (pp = 1, ``fmoe.runner.execute``): the expert weight GEMMs of a layer are merged over
 the micro-batches of one window (consecutive micro-batches, at most ``merge_window`` of them) and
@@ -36,12 +44,20 @@ parallel gathers, the router's all-reduced counts) stay matched across the group
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free: a recipe is read without it
     from fmoe.stages.spec import Stage, StageContext
 
-__all__ = ["RECOMPUTE_MODES", "STAGE_MODES", "MemoryPolicy", "EXCHANGE_ROLES"]
+__all__ = [
+    "EXCHANGE_ROLES",
+    "POLICIES",
+    "POLICY_FIELDS",
+    "RECOMPUTE_MODES",
+    "STAGE_MODES",
+    "MemoryPolicy",
+    "memory_table",
+]
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 # what a stage's F does with what autograd saves (``fmoe.stage.forward``): keep it, keep nothing and
@@ -49,6 +65,27 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 STAGE_MODES = (*RECOMPUTE_MODES, "offload")
 # the roles holding the expert-parallel all-to-all: never recomputed when an "ep" group exists
 EXCHANGE_ROLES = ("dispatch", "combine")
+# who picks the policy: the memory plan ("auto") or the fields as set ("explicit")
+POLICIES = ("auto", "explicit")
+# the fields an "auto" policy picks (a recipe setting any of them is explicit)
+POLICY_FIELDS = ("merge_window", "recompute", "recompute_roles", "offload")
+
+
+def memory_table(table: Any) -> Any:
+    """A recipe's [memory] table as written, with ``policy`` filled in when it is not: "auto" when
+    the table sets none of ``POLICY_FIELDS``, else "explicit". policy = "auto" beside one of them is
+    refused (ValueError) naming it: the plan would pick over it. A non-table is returned as is."""
+    if not isinstance(table, dict):
+        return table
+    given = [k for k in POLICY_FIELDS if k in table]
+    if table.get("policy") == "auto" and given:
+        raise ValueError(
+            f"memory.policy = 'auto' picks the memory policy itself, but memory.{given[0]} is set: "
+            f"drop memory.{given[0]}, or set memory.policy = 'explicit'"
+        )
+    if "policy" in table:
+        return table
+    return {**table, "policy": "explicit" if given else "auto"}
 
 
 @dataclass(frozen=True)
@@ -59,9 +96,21 @@ class MemoryPolicy:
     recompute: str = "none"
     recompute_roles: tuple[str, ...] = ()
     offload: bool = False
+    policy: str = "explicit"
 
     def __post_init__(self) -> None:
         from fmoe.stages.spec import ROLES  # torch: only once a policy is built
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"MemoryPolicy.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy == "auto":  # the plan picks the fields: one set alongside would be ignored
+            default = MemoryPolicy()
+            changed = [n for n in POLICY_FIELDS if getattr(self, n) != getattr(default, n)]
+            if changed:
+                raise ValueError(
+                    f"MemoryPolicy.policy is 'auto' (the plan picks the policy) but MemoryPolicy.{changed[0]} "
+                    f"is set: drop it, or set MemoryPolicy.policy = 'explicit'"
+                )
 
         if (
             isinstance(self.merge_window, bool)

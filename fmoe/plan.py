@@ -16,12 +16,14 @@ bytes; nothing here touches a process group or allocates a tensor. For every ran
                each F adding its (micro-batch, chunk)'s bytes and each W / BW / FB's backward half
                freeing them (the simulator's ``peak_activations`` count, weighted by chunk)
 
-and the peak those make together (:func:`plan_layout`). :func:`layouts` lists the layouts of N
+and the peak those make together (:func:`plan_layout`; :func:`plan_policies` for several memory
+policies at once). :func:`layouts` lists the layouts of N
 processes the recipe can run on, ranked by the simulator's bubble; ``fmoe plan`` prints them, and
 ``fmoe train`` logs its own layout's plan and refuses one that does not fit before the first step.
 
 The activation formulas per family, and their walk over a rank's step, are ``fmoe.plan_activations``;
-this module adds the terms up per layout, searches the layouts, and writes the text ``fmoe plan``
+this module adds the terms up per layout and searches the layouts. ``fmoe.plan_policy`` picks a
+layout's memory policy (``memory.policy = "auto"``); ``fmoe.plan_text`` writes what ``fmoe plan``
 and ``fmoe train`` print.
 """
 
@@ -55,20 +57,14 @@ __all__ = [
     "WorkingSet",
     "candidate_sizes",
     "device_limit_bytes",
-    "gib",
-    "human",
-    "layout_name",
     "layouts",
-    "policy_text",
     "master_bytes",
+    "micro_batch",
     "optimizer_bytes",
     "plan_layout",
-    "rank_lines",
+    "plan_policies",
     "recipe_working_set",
-    "refusal",
     "step_grads_bytes",
-    "summary",
-    "table_lines",
 ]
 
 GiB = 1 << 30
@@ -212,6 +208,15 @@ def _table(recipe, pp: int) -> Schedule | None:
     return table
 
 
+def micro_batch(recipe, sizes: tuple[int, int, int, int], device: str) -> MicroBatch:
+    """One micro-batch of a rank of layout ``sizes``: the recipe's batch over dp x ep and its
+    micro-batches, each sequence split over cp."""
+    _, dp, cp, ep = sizes
+    t = recipe.train
+    seqs = t.global_batch // (dp * ep) // t.microbatches
+    return MicroBatch(seqs, recipe.data.seq_len // cp, recipe.data.seq_len, DTYPE_BYTES[t.dtype], device)
+
+
 def plan_layout(
     recipe,
     model: Model,
@@ -227,55 +232,109 @@ def plan_layout(
 
     table: the pipeline schedule (default: the recipe's, made for pp); device: "cuda" or "cpu";
     working_set: None plans what ``parallel_step`` will do (``recipe_working_set``); policy: the
-    ``[memory]`` policy the activations are planned for (default: the recipe's ``memory``)."""
-    pp, dp, cp, ep = sizes
+    ``[memory]`` policy the activations are planned for (default: the recipe's ``memory``; an
+    "auto" one is planned as its fields, recompute none, merge_window 0, offload off: what it
+    becomes with no device limit; ``fmoe.plan_policy.choose`` picks one for a limit)."""
     policy = recipe.memory if policy is None else policy
+    return plan_policies(recipe, model, shapes, sizes, [policy], table=table, device=device,
+                         working_set=working_set)[0]  # fmt: skip
+
+
+def plan_policies(
+    recipe, model: Model, shapes: Mapping[str, Sequence[int]], sizes: tuple[int, int, int, int],
+    policies: Sequence[MemoryPolicy], *, table: Schedule | None = None, device: str = "cuda",
+    working_set: WorkingSet | None = None,
+) -> list[LayoutPlan]:  # fmt: skip
+    """``plan_layout`` of ``sizes`` under each of ``policies``, in order: the terms no policy changes
+    (parameters, optimizer state, gathers, gradients) computed once."""
+    pp, dp, cp, ep = sizes
     if working_set is None:
         working_set = recipe_working_set(recipe, sizes)
-    t = recipe.train
     if pp > 1 and table is None:
         table = _table(recipe, pp)
-    seqs = t.global_batch // (dp * ep) // t.microbatches
-    mb = MicroBatch(seqs, recipe.data.seq_len // cp, recipe.data.seq_len, DTYPE_BYTES[t.dtype], device)
+    mb = micro_batch(recipe, sizes, device)
     bubble = max(simulate(table).bubble) if table is not None else 0.0
-    terms = tuple(
-        _rank_terms(recipe, model, shapes, sizes, table, r, mb, working_set, policy) for r in range(pp)
-    )
+    states = [_rank_state(recipe, model, shapes, sizes, table, r, mb, working_set) for r in range(pp)]
     name = "-" if table is None else (recipe.parallel.schedule if pp > 1 else "-")
     planned = recipe.model_family in ACTIVATION_FORMULAS
-    return LayoutPlan(pp, dp, cp, ep, name, bubble, terms, activations_planned=planned, policy=policy)
+    return [
+        LayoutPlan(
+            pp,
+            dp,
+            cp,
+            ep,
+            name,
+            bubble,
+            tuple(_rank_terms(recipe, model, table, s, mb, working_set, policy, ep) for s in states),
+            activations_planned=planned,
+            policy=policy,
+        )  # fmt: skip
+        for policy in policies
+    ]
 
 
-def _rank_terms(
+@dataclass(frozen=True)
+class _RankState:
+    """What a pipeline rank holds whatever the memory policy (bytes), and its gradients' sizes."""
+
+    pp_rank: int
+    rank: int
+    params: int
+    optimizer: int
+    gathered: int
+    grads: int
+    grad_bytes: dict[str, int]  # {name: bytes of its full gradient in the dtype W makes it}
+
+
+def _rank_state(
     recipe, model: Model, shapes: Mapping[str, Sequence[int]], sizes: tuple[int, int, int, int],
-    table: Schedule | None, r: int, mb: MicroBatch, working_set: WorkingSet, policy: MemoryPolicy,
-) -> RankTerms:  # fmt: skip
-    """The terms of pipeline rank ``r`` (its dp = cp = ep = 0 member: every member holds the same)."""
+    table: Schedule | None, r: int, mb: MicroBatch, working_set: WorkingSet,
+) -> _RankState:  # fmt: skip
+    """The policy-free terms of pipeline rank ``r`` (its dp = cp = ep = 0 member: every member
+    holds the same)."""
     pp, dp, cp, ep = sizes
     t, e, buffers = recipe.train, mb.compute_bytes, frozenset(model.buffers)
     mesh = Mesh(pp, dp, cp, ep, rank=r * dp * cp * ep, coords={**dict.fromkeys(DIMS, 0), "pp": r})
     names = pipeline.local_param_names(model, table, rank=r) if table is not None else list(shapes)
     infos = planned_layout(model, mesh, shapes, names)
-    params, opt = master_bytes(infos), optimizer_bytes(infos)
-    family = ACTIVATION_FORMULAS.get(recipe.model_family)
-    acts = acts_and_grads = 0
-    if family is not None:
-        w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
-        acts, acts_and_grads = rank_activation_peaks(
-            family, recipe.model, model, table, r, mb, w_bytes, t.microbatches, policy, ep
-        )
+    w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
     if working_set is WorkingSet.STEP:
         gathered = sum(_gathered_bytes(i, e, n in buffers) for n, i in infos.items())
         grads = step_grads_bytes(infos, e, dp, cp, ep, buffers)
-        peak = params + opt + max(gathered + acts_and_grads, grads)
     else:
         gathered = gathered_working_set_bytes(
             model, mesh, shapes, names, None if t.dtype == "float32" else torch.bfloat16,
             num_microbatches=t.microbatches, schedule=table if pp > 1 else None,
         )  # fmt: skip
         grads = sum(i.shard_numel for i in infos.values()) * FP32
-        peak = params + opt + grads + gathered + acts
-    return RankTerms(mesh.rank, (r, 0, 0, 0), params, grads, opt, gathered, acts, peak)
+    return _RankState(r, mesh.rank, master_bytes(infos), optimizer_bytes(infos), gathered, grads, w_bytes)
+
+
+def _rank_terms(
+    recipe, model: Model, table: Schedule | None, s: _RankState, mb: MicroBatch, working_set: WorkingSet,
+    policy: MemoryPolicy, ep: int,
+) -> RankTerms:  # fmt: skip
+    """The terms of pipeline rank ``s.pp_rank`` under ``policy``: its activations added to ``s``."""
+    family = ACTIVATION_FORMULAS.get(recipe.model_family)
+    acts = acts_and_grads = 0
+    if family is not None:
+        acts, acts_and_grads = rank_activation_peaks(
+            family,
+            recipe.model,
+            model,
+            table,
+            s.pp_rank,
+            mb,
+            s.grad_bytes,
+            recipe.train.microbatches,
+            policy,
+            ep,
+        )
+    if working_set is WorkingSet.STEP:
+        peak = s.params + s.optimizer + max(s.gathered + acts_and_grads, s.grads)
+    else:
+        peak = s.params + s.optimizer + s.grads + s.gathered + acts
+    return RankTerms(s.rank, (s.pp_rank, 0, 0, 0), s.params, s.grads, s.optimizer, s.gathered, acts, peak)
 
 
 def recipe_working_set(recipe, sizes: tuple[int, int, int, int]) -> WorkingSet:
@@ -330,51 +389,6 @@ def layouts(
 
 
 # ------------------------------------------------------------------------------------------------
-# text
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
-
-
-def human(n: float) -> str:
-    """Bytes as MiB below 1 GiB, else GiB."""
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
-
-
-def rank_lines(plan: LayoutPlan) -> list[str]:
-    """One line per pipeline rank: its global ranks and every term (GiB, or MiB for a small plan)."""
-    unit, scale = ("GiB", GiB) if plan.peak >= GiB else ("MiB", 2**20)
-    header = ("params", "grads", "optim", "gathered", "activ", "peak")
-    lines = [f"{'ranks':>12}  " + " ".join(f"{h:>8}" for h in header) + f"  {unit}"]
-    for r, t in enumerate(plan.stage_terms):
-        ranks = plan.ranks_of(r)
-        span = f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-        cells = " ".join(f"{getattr(t, n) / scale:>8.2f}" for n in (*TERMS, "peak"))
-        lines.append(f"{span:>12}  {cells}")
-    return lines
-
-
-def layout_name(plan: LayoutPlan) -> str:
-    return " ".join(f"{d}={v}" for d, v in zip(DIMS, plan.sizes))
-
-
-def refusal(plan: LayoutPlan, limit_bytes: float) -> str | None:
-    """The one line refusing ``plan`` when a rank's peak exceeds ``limit_bytes`` (else None): the
-    rank, its peak and its largest term."""
-    worst = plan.worst()
-    if worst.peak <= limit_bytes:
-        return None
-    term, size = worst.largest_term()
-    pp_rank = plan.stage_terms.index(worst)
-    return (
-        f"memory plan: rank {plan.ranks_of(pp_rank)[0]} (pp {pp_rank}) needs {human(worst.peak)}, "
-        f"more than the device's {human(limit_bytes)}; its largest term is {term} ({human(size)}) "
-        f"on layout {layout_name(plan)}: run `fmoe plan` for layouts that fit"
-    )
-
-
-# ------------------------------------------------------------------------------------------------
 # the recipe's own layout (``fmoe train``) and the command line (``fmoe plan``)
 
 
@@ -384,36 +398,3 @@ def device_limit_bytes(recipe, device_type: str, cuda_total: int | None = None) 
     if recipe.train.device_memory_gib > 0:
         return recipe.train.device_memory_gib * GiB
     return float(cuda_total) if device_type == "cuda" and cuda_total else None
-
-
-def summary(plan: LayoutPlan, limit_bytes: float | None) -> str:
-    """The compact block ``fmoe train`` prints at its start (rank 0)."""
-    limit = "no limit" if limit_bytes is None else f"{human(limit_bytes)} per device"
-    head = (f"memory plan, {layout_name(plan)} ({plan.schedule}, bubble {plan.bubble:.3f}), {limit}, "
-            f"{policy_text(plan.policy)}:")  # fmt: skip
-    if not plan.activations_planned:
-        head += " (activations not planned: fmoe.plan has no formulas for this family)"
-    return "\n".join([head, *rank_lines(plan)])
-
-
-def policy_text(policy: MemoryPolicy) -> str:
-    """The ``[memory]`` policy a plan's activations are for, in one phrase."""
-    roles = f" ({', '.join(policy.recompute_roles)})" if policy.recompute_roles else ""
-    window = "step" if policy.merge_window == 0 else str(policy.merge_window)
-    return (f"memory: recompute {policy.recompute}{roles}, merge_window {window}, "
-            f"offload {'on' if policy.offload else 'off'}")  # fmt: skip
-
-
-def table_lines(plans: Sequence[LayoutPlan], limit_bytes: float | None) -> list[str]:
-    """One line per layout: sizes, schedule, bubble, peak, largest term of its fullest rank, fits."""
-    unit, scale = ("GiB", GiB) if max((p.peak for p in plans), default=GiB) >= GiB else ("MiB", 2**20)
-    lines = [f"{'pp':>3} {'dp':>3} {'cp':>3} {'ep':>3}  {'schedule':<16} {'bubble':>6}  {'peak ' + unit:>9}  "
-             f"{f'largest term ({unit})':<24} fits"]  # fmt: skip
-    for p in plans:
-        term, size = p.worst().largest_term()
-        fits = "yes" if p.fits(limit_bytes) else "no"
-        lines.append(
-            f"{p.pp:>3} {p.dp:>3} {p.cp:>3} {p.ep:>3}  {p.schedule:<16} {p.bubble:>6.3f}  {p.peak / scale:>9.2f}  "
-            f"{f'{term} {size / scale:.2f}':<24} {fits}"
-        )
-    return lines

@@ -7,7 +7,8 @@
 [parallel]   pp, dp, cp, ep sizes and the pipeline schedule (a generator name or a CSV file)
 [checkpoint] folder, interval, how many to keep
 [log]        folder, interval
-[memory]     merge window of the expert weight GEMMs, recomputation (``fmoe.memory_policy.MemoryPolicy``)
+[memory]     merge window of the expert weight GEMMs, recomputation, offloading, or policy = "auto"
+             (the default: the memory plan picks them; ``fmoe.memory_policy.MemoryPolicy``)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fmoe.memory_policy import MemoryPolicy  # torch-free until a policy is built
+from fmoe.memory_policy import MemoryPolicy, memory_table  # torch-free until a policy is built
 
 if TYPE_CHECKING:  # torch is imported lazily: reading a recipe never needs it
     from fmoe.stages.family import Family
@@ -120,7 +121,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    memory: MemoryPolicy = field(default_factory=MemoryPolicy)
+    memory: MemoryPolicy = field(default_factory=lambda: MemoryPolicy(policy="auto"))
     path: str = ""
 
 
@@ -369,6 +370,10 @@ def from_dict(data: dict, path: str = "recipe") -> Recipe:
         raise RecipeError(f"{path}: unknown section [{unknown[0]}] (known: model, {', '.join(SECTIONS)})")
     model = model_of(data, path)
     family, cfg = model.model_family, model.model
+    try:
+        data["memory"] = memory_table(data.get("memory", {}))
+    except ValueError as e:
+        raise RecipeError(f"{path}: {e}") from None
     sections = {
         name: build_dataclass(cls, data.get(name, {}), f"{path}: {name}") for name, cls in SECTIONS.items()
     }

@@ -1,7 +1,8 @@
 """What a training run is built from, once, before its first step (``setup``): the family checked,
 the device, the process group and mesh, the resume point every rank agrees on, the dataset, the
 model, the pipeline table, the parameters' ZeRO-3 layout, and the memory plan checked against the
-device.
+device, with the memory policy the run uses (``memory.policy = "auto"`` resolved here, once: the
+step only ever sees an explicit policy, ``Run.memory``).
 
 Errors are one-liners naming the recipe's field: :class:`fmoe.recipe.RecipeError`, and
 ``fmoe.checkpoint``'s for a resume point that cannot be used.
@@ -17,12 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fmoe import data, pipeline, sharding
+from fmoe import data, pipeline, plan_policy, plan_text, sharding
 from fmoe import dist as D
 from fmoe import plan as memory_plan
 from fmoe.check import check_family
 from fmoe.gather_plan import GatherPlan, step_gather_plan
 from fmoe.hf import family as family_module
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import Mesh, MeshError, build_mesh, check_sizes
 from fmoe.recipe import Recipe, RecipeError
 from fmoe.schedules.generators import generate
@@ -43,7 +45,8 @@ class Run:
     """What the step loop runs on, built by :func:`setup`. shapes: {name: canonical shape} of every
     parameter (in the family's order); infos: {name: ShardInfo} of the parameters this rank holds
     (its pipeline stage's); table: the pipeline schedule (None for pp = 1); dtype: the compute
-    dtype; resume_from: the checkpoint every rank resumes from (None: a fresh start)."""
+    dtype; resume_from: the checkpoint every rank resumes from (None: a fresh start); memory: the
+    explicit memory policy the step runs (the recipe's, or the one "auto" chose)."""
 
     family: Family
     model: Model
@@ -56,6 +59,7 @@ class Run:
     gathers: GatherPlan  # the per-unit gather plan of every step (``gather_plan.step_gather_plan``)
     dataset: data.TokenDataset
     resume_from: Path | None
+    memory: MemoryPolicy
 
 
 def setup(recipe: Recipe, stack: contextlib.ExitStack) -> Run:
@@ -82,9 +86,9 @@ def setup(recipe: Recipe, stack: contextlib.ExitStack) -> Run:
     local = pipeline.local_param_names(model, table, rank=mesh.coords["pp"]) if table is not None else names
     infos = sharding.layout(model, mesh, shapes, local)
     gathers = step_gather_plan(model, mesh, recipe.train.microbatches, table)
-    check_memory_plan(recipe, model, shapes, table, mesh, device)
+    memory = check_memory_plan(recipe, model, shapes, table, mesh, device)
     return Run(family=fam, model=model, mesh=mesh, device=device, dtype=dtype, table=table, shapes=shapes,
-               infos=infos, gathers=gathers, dataset=dataset, resume_from=resume_from)  # fmt: skip
+               infos=infos, gathers=gathers, dataset=dataset, resume_from=resume_from, memory=memory)  # fmt: skip
 
 
 def pick_device(name: str) -> torch.device:
@@ -142,22 +146,24 @@ def schedule(recipe: Recipe, mesh: Mesh) -> Schedule | None:
     return table
 
 
-def check_memory_plan(recipe: Recipe, model, shapes, table, mesh, device: torch.device) -> None:
-    """The memory plan of this layout (``fmoe.plan``), before any parameter exists: RecipeError
-    naming the rank and its largest term when a rank's planned peak exceeds the device's memory
-    (``train.device_memory_gib``, else the CUDA device's total); else rank 0 writes it to
-    ``<log.dir>/memory_plan.txt`` and, with ``log.progress``, prints it."""
+def check_memory_plan(recipe: Recipe, model, shapes, table, mesh, device: torch.device) -> MemoryPolicy:
+    """The memory plan of this layout (``fmoe.plan``) and the policy the run uses
+    (``fmoe.plan_policy.choose``: the recipe's explicit one, or under ``memory.policy = "auto"`` the
+    fastest that fits), before any parameter exists. RecipeError naming the rank, its largest term
+    and the policy when a rank's planned peak exceeds the device's memory
+    (``train.device_memory_gib``, else the CUDA device's total); else rank 0 writes the plan, the
+    policy and its modelled time to ``<log.dir>/memory_plan.txt`` and, with ``log.progress``,
+    prints it. Every rank computes the same choice from the same recipe and sizes."""
     cuda_total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     limit = memory_plan.device_limit_bytes(recipe, device.type, cuda_total)
     sizes = (mesh.pp, mesh.dp, mesh.cp, mesh.ep)
-    the_plan = memory_plan.plan_layout(
-        recipe, model, shapes, sizes, table=table, device=device.type, policy=recipe.memory
-    )
-    refused = None if limit is None else memory_plan.refusal(the_plan, limit)
+    choice = plan_policy.choose(recipe, model, shapes, sizes, limit, table=table, device=device.type)
+    refused = None if limit is None else plan_text.refusal(choice.plan, limit, auto=choice.auto)
     if refused is not None:
         raise RecipeError(f"{recipe.path}: {refused} (train.device_memory_gib sets the limit)")
     if mesh.rank == 0:  # the log folder keeps it; the console shows it beside the progress bar
-        text = memory_plan.summary(the_plan, limit)
+        text = plan_text.summary(choice.plan, limit, choice.cost, choice.auto)
         (Path(recipe.log.dir) / "memory_plan.txt").write_text(text + "\n")
         if recipe.log.progress:
             print(text, flush=True)
+    return choice.policy

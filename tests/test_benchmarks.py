@@ -82,3 +82,17 @@ def test_throughput_benchmark_refuses_an_unknown_side(capsys):
     with pytest.raises(SystemExit):
         train_throughput.main(["--device", "cpu", "--tiny", "--sides", "eager,fmoe_fp9"])
     assert "fmoe_fp9" in capsys.readouterr().err
+
+
+def test_measure_role_costs_smoke_run_gives_rates_the_time_model_reads(tmp_path):
+    """``benchmarks/measure_role_costs.py --smoke`` on the CPU: its "rates" build a ``Rates``."""
+    import json
+
+    from benchmarks import measure_role_costs
+    from fmoe.plan_time import Rates
+
+    out = tmp_path / "role_costs.json"
+    measure_role_costs.main(["--device", "cpu", "--smoke", "--out", str(out)])
+    rates = json.loads(out.read_text())["rates"]
+    built = Rates(**{**rates, "grouped_tflops": tuple(tuple(p) for p in rates["grouped_tflops"])})
+    assert built.grouped(1) > 0 and built.dense_tflops > 0

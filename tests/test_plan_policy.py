@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from fmoe import memory, plan, plan_activations
+from fmoe import memory, plan, plan_activations, plan_text
 from fmoe import recipe as R
 from fmoe.hf import family as family_module
 from fmoe.memory_policy import MemoryPolicy
@@ -96,7 +96,7 @@ def test_the_plan_takes_the_recipes_policy_and_says_which(capsys):
     own = plan.plan_layout(recipe, model, shapes, (1, 1, 1, 8))
     assert own.policy.recompute == "full"
     assert own.peak == _qwen3_30b(MemoryPolicy(recompute="full"))
-    assert "memory: recompute full, merge_window step, offload off" in plan.summary(own, None)
+    assert "memory: recompute full, merge_window step, offload off" in plan_text.summary(own, None)
     args = ["plan", str(REPO / "recipes" / "qwen3_30b_a3b.toml"), "--nproc", "8", "--layout", "1,1,1,8"]
     assert main([*args, "--recompute", "full", "--merge-window", "2", "--offload"]) == 0
     assert "memory: recompute full, merge_window 2, offload on" in capsys.readouterr().out

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.common import environment, write_result
 from fmoe import plan as memory_plan
+from fmoe import plan_text
 from fmoe import recipe as R
 from fmoe.hf import family
 from fmoe.train_state import Checkpointer
@@ -95,7 +96,7 @@ def main(argv=None) -> dict:
             "microbatches": args.microbatches,
             "sequences_per_microbatch": 1,
             "steps": args.steps,
-            "memory": memory_plan.policy_text(recipe.memory),
+            "memory": plan_text.policy_text(recipe.memory),
         },  # fmt: skip
         "planned_gib": proxy_plan.peak / gib,
         "planned_terms_gib": {k: getattr(terms, k) / gib for k in memory_plan.TERMS},

@@ -165,15 +165,23 @@ def bench_gemm(name: str, kind: str, M: int, N: int, K: int, E: int | None, offs
     row["bf16"] = {"ms": ms, "tflops": flops / ms / 1e9}
     outs = {}
     for path, (gemm, with_quant) in fp8.items():
-        outs[path] = gemm()
+        try:
+            outs[path] = gemm()
+        except (RuntimeError, ValueError, NotImplementedError) as e:  # torch refused: that is the finding
+            row[path] = {"refused": f"{type(e).__name__}: {str(e)[:400]}"}
+            continue
         t, tq = timer(gemm), timer(with_quant)
         row[path if path != "torch" else "torch_reference"] = {
             "ms": t, "tflops": flops / t / 1e9, "ratio_to_bf16": ms / t,
             "with_quant_ms": tq, "with_quant_tflops": flops / tq / 1e9, "with_quant_ratio_to_bf16": ms / tq,
         }  # fmt: skip
+    ratios = [
+        r["with_quant_ratio_to_bf16"] for r in row.values() if isinstance(r, dict) and "with_quant_ms" in r
+    ]
+    row["best_fp8_with_quant_ratio_to_bf16"] = max(ratios, default=None)
     if "cublas" in outs:
         row["rel_diff_cublas_triton"] = _rel(outs["cublas"], outs[tri])
-    elif E is None:
+    elif E is None and "cublas" not in row:
         row["cublas"] = {"not_run": "cuBLAS block-scaled FP8 unavailable here or this shape unsupported"}
     return row
 
@@ -234,6 +242,8 @@ def _say(row: dict) -> None:
              f"bf16 {row['bf16']['tflops']:.0f}"]  # fmt: skip
     for path in ("triton", "cublas", "torch_reference"):
         r = row.get(path, {})
+        if "refused" in r:
+            parts.append(f"{path} refused ({r['refused'][:80]})")
         if "tflops" in r:
             parts.append(
                 f"{path} {r['tflops']:.0f} ({r['ratio_to_bf16']:.2f}x; +quant {r['with_quant_ratio_to_bf16']:.2f}x)"

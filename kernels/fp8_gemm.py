@@ -33,6 +33,7 @@ does not do).
 
 import functools
 import importlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -326,6 +327,23 @@ def choose_backend(
     return requested
 
 
+# cuBLAS calls that torch refused at run time (its argument checks raise before the GEMM launches;
+# at most the scale padding ran, its output unread): GEMM kind -> torch's message. ``auto`` then keeps that
+# kind on Triton for the rest of the process (and warns once); an explicit ``backend="cublas"`` raises.
+CUBLAS_REFUSED: dict[str, str] = {}
+
+
+def _cublas_or_triton(kind: str, explicit: bool, cublas_call, triton_call) -> Tensor:
+    try:
+        return cublas_call()
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        if explicit:
+            raise
+        CUBLAS_REFUSED[kind] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"cuBLAS refused the FP8 {kind} GEMM, Triton runs it from now on: {e}", stacklevel=3)
+        return triton_call()
+
+
 def _backend(
     backend: str | None, a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool, wgrad: bool = False
 ) -> str:
@@ -342,7 +360,12 @@ def _backend(
         grouped=grouped,
         out_dtype=out_dtype,
         triton_runs=HAS_TRITON and (a.is_cuda or interpreting()) and (requested == "triton" or use_triton(a)),
-        cublas_here=requested in ("auto", "cublas", "deep_gemm") and cublas_available(a.device),
+        cublas_here=requested in ("auto", "cublas", "deep_gemm")
+        and (
+            backend is not None
+            or ("weight gradient" if wgrad else "forward / input gradient") not in CUBLAS_REFUSED
+        )
+        and cublas_available(a.device),
         deep_gemm_here=requested in ("auto", "cublas", "deep_gemm")
         and a.is_cuda
         and _deep_gemm() is not None,
@@ -417,7 +440,12 @@ def fp8_gemm_nt(
     if which == "torch":
         return fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
     if which == "cublas":  # M, N, K > 0 (cublas_supports)
-        return cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype)
+        return _cublas_or_triton(
+            "forward / input gradient",
+            backend is not None,
+            lambda: cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype),
+            lambda: fp8_gemm_nt(a, b, b_scale, offs, out_dtype=out_dtype, backend="triton", config=config),
+        )
     out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
     if M == 0 or N == 0:
         return out
@@ -478,7 +506,12 @@ def fp8_gemm_wgrad(
     if which == "torch":
         out = fp8_gemm_wgrad_reference(a, b, out_dtype=out_dtype)
     elif which == "cublas":
-        out = cublas_gemm_wgrad(a, b, out_dtype=out_dtype)[None]
+        return _cublas_or_triton(
+            "weight gradient",
+            backend is not None,
+            lambda: cublas_gemm_wgrad(a, b, out_dtype=out_dtype),
+            lambda: fp8_gemm_wgrad(a, b, grouped=False, out_dtype=out_dtype, backend="triton", config=config),
+        )
     else:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.data.device)
         if out.numel() > 0:

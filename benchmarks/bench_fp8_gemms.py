@@ -93,7 +93,7 @@ def _probe_scaled_grouped_mm(xq: fq.Fp8Act, w8: fq.Fp8Weight, offs: torch.Tensor
     once} or {"refused": why}."""
     calls = {}
     if hasattr(F, "scaled_grouped_mm"):
-        sb = torch.stack([cublas_weight_scale(s) for s in w8.scale])  # [E, L4, N/128]
+        sb = cublas_weight_scale(w8.scale)  # [E, L4, N/128], each expert's as the dense GEMM takes it
         blocks = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
         calls["F.scaled_grouped_mm"] = lambda: F.scaled_grouped_mm(
             xq.data, w8.data.transpose(-2, -1), xq.scale, blocks[0], sb, blocks[1], offs=offs

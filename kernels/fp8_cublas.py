@@ -72,10 +72,11 @@ def cublas_available(device: torch.device) -> bool:
 
 
 def cublas_weight_scale(b_scale: Tensor) -> Tensor:
-    """A weight's 128x128 scales [N/128, K/128] -> the [L4, N/128] (strides (1, L4)) cuBLAS reads."""
+    """A weight's 128x128 scales [(E,) N/128, K/128] -> the [(E,) L4, N/128] (strides (.., 1, L4))
+    cuBLAS reads: zero-padded to L4 K-blocks (a copy) when K/128 is not a multiple of 4, else a view."""
     pad = (-b_scale.shape[-1]) % SCALE_ROW_ALIGN
     s = F.pad(b_scale, (0, pad)) if pad else b_scale.contiguous()
-    return s.t()
+    return s.transpose(-2, -1)
 
 
 def _outer_major(s: Tensor) -> Tensor:

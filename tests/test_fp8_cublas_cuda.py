@@ -151,10 +151,10 @@ def test_triton_dense_gemms_within_the_same_bound(shape):
 @needs_cublas
 def test_auto_takes_cublas_for_the_dense_gemms_and_triton_for_the_rest():
     x, dy, w = _operands(4096, 2048, 768, seed=3)
-    xq, xt = fq.quantize_act(x), fq.quantize_act_t(x)
-    assert fg._backend(None, xq.data, w.data, BF16, grouped=False) == "cublas"
-    assert fg._backend(None, xq.data, w.data_t, BF16, grouped=False) == "cublas"
-    assert fg._backend(None, xt.data, xt.data, BF16, grouped=False, wgrad=True) == "cublas"
+    xq, dyq, xt, dyt = fq.quantize_act(x), fq.quantize_act(dy), fq.quantize_act_t(x), fq.quantize_act_t(dy)
+    assert fg._backend(None, xq.data, w.data, BF16, grouped=False) == "cublas"  # forward, K = 768
+    assert fg._backend(None, dyq.data, w.data_t, BF16, grouped=False) == "cublas"  # input gradient
+    assert fg._backend(None, dyt.data, xt.data, BF16, grouped=False, wgrad=True) == "cublas"
     # the grouped expert GEMMs, fp16 results, and weights not in whole 128-blocks: Triton
     E = 8
     offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (4096 // E)

@@ -21,6 +21,7 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,6 +136,11 @@ def main(argv=None) -> dict:
         "--tail", type=int, default=20, help="the final loss is the mean over this many last steps"
     )
     ap.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    ap.add_argument(
+        "--data-dir",
+        default=str(Path(tempfile.gettempdir()) / "fmoe_fp8_curves"),
+        help="the built corpus (reused)",
+    )
     ap.add_argument("--tiny", action="store_true", help="tiny model and run (CPU smoke run)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -148,7 +154,7 @@ def main(argv=None) -> dict:
     cfg = qwen3_moe.Qwen3MoeConfig(num_hidden_layers=args.layers, **shape)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ds = dataset(out / "data", args.corpus_bytes)
+    ds = dataset(Path(args.data_dir) / ("tiny" if args.tiny else "full"), args.corpus_bytes)
     data.check_vocab(ds, cfg.vocab_size)
     curves = {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
@@ -161,7 +167,7 @@ def main(argv=None) -> dict:
     how = plot(out / "curves.png", curves, f"{title}: fp8 / bf16 = {ratio:.4f}")
     result = {
         "benchmark": "FP8 vs BF16 training curves, same seed and data (issue 26)",
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "data_dir")},
         "model": shape | {"num_hidden_layers": args.layers},
         "dataset_tokens": ds.n_tokens,
         "losses": curves,

@@ -30,7 +30,9 @@ def test_fp8_gemm_table_has_every_gemm_of_the_layer_on_every_path(tmp_path, monk
 
 def test_fp8_curves_train_both_sides_on_the_same_text_and_plot_them(tmp_path, monkeypatch):
     monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
-    result = fp8_curves.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
+    result = fp8_curves.main(
+        ["--tiny", "--device", "cpu", "--out", str(tmp_path), "--data-dir", str(tmp_path / "data")]
+    )
     bf16, fp8 = result["losses"]["bf16"], result["losses"]["fp8"]
     assert len(bf16) == len(fp8) == 3 and result["finite"]
     assert bf16[0] == fp8[0] or abs(bf16[0] - fp8[0]) < 0.05 * bf16[0]  # same init and first batch

@@ -156,11 +156,17 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     ds = dataset(Path(args.data_dir) / ("tiny" if args.tiny else "full"), args.corpus_bytes)
     data.check_vocab(ds, cfg.vocab_size)
-    curves = {}
+    curves, seconds = {}, {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
+        t0 = time.perf_counter()
         curves[name] = train(cfg, ds, fp8=fp8, args=args, device=args.device)
+        seconds[name] = time.perf_counter() - t0
         if args.device == "cuda":
             torch.cuda.empty_cache()
+        if name == "bf16":  # kept if the FP8 run is cut short
+            write_result(
+                out / "curves.json", {"partial": True, "losses": curves, "seconds": seconds}, echo=False
+            )
     tail = {k: statistics.fmean(v[-args.tail :]) for k, v in curves.items()}
     ratio = tail["fp8"] / tail["bf16"]
     title = f"{args.layers}-layer Qwen3-30B-A3B shapes, byte text, {args.batch} x {args.seq} tokens/step"
@@ -171,6 +177,7 @@ def main(argv=None) -> dict:
         "model": shape | {"num_hidden_layers": args.layers},
         "dataset_tokens": ds.n_tokens,
         "losses": curves,
+        "seconds": seconds,
         f"mean_loss_last_{args.tail}": tail,
         "final_loss_ratio_fp8_over_bf16": ratio,
         "final_step_ratio_fp8_over_bf16": curves["fp8"][-1] / curves["bf16"][-1],

@@ -328,9 +328,14 @@ def choose_backend(
 
 
 # cuBLAS calls that torch refused at run time (its argument checks raise before the GEMM launches;
-# at most the scale padding ran, its output unread): GEMM kind -> torch's message. ``auto`` then keeps that
-# kind on Triton for the rest of the process (and warns once); an explicit ``backend="cublas"`` raises.
+# at most the scale padding ran, its output unread): GEMM kind -> torch's message. ``auto`` then
+# keeps that kind on Triton for the rest of the process (and warns once); an explicit
+# ``backend="cublas"`` raises.
 CUBLAS_REFUSED: dict[str, str] = {}
+
+
+def _cublas_kind(wgrad: bool) -> str:
+    return "weight gradient" if wgrad else "forward / input gradient"
 
 
 def _cublas_or_triton(kind: str, explicit: bool, cublas_call, triton_call) -> Tensor:
@@ -350,25 +355,20 @@ def _backend(
     """The backend a call on these operands runs on (:func:`choose_backend`, given the machine).
     a: [M, K] (wgrad: [M, cap]); b: [(experts,) N, K] (wgrad: [N, cap])."""
     requested = backend or kernel_backend()
+    others = requested in ("auto", "cublas", "deep_gemm")  # may take cuBLAS or deep_gemm
+    refused = backend is None and _cublas_kind(wgrad) in CUBLAS_REFUSED
     return choose_backend(
         requested,
         explicit=backend is not None,
         M=a.shape[0],
-        N=b.shape[-2] if not wgrad else b.shape[0],
+        N=b.shape[0] if wgrad else b.shape[-2],
         K=a.shape[-1],
         wgrad=wgrad,
         grouped=grouped,
         out_dtype=out_dtype,
         triton_runs=HAS_TRITON and (a.is_cuda or interpreting()) and (requested == "triton" or use_triton(a)),
-        cublas_here=requested in ("auto", "cublas", "deep_gemm")
-        and (
-            backend is not None
-            or ("weight gradient" if wgrad else "forward / input gradient") not in CUBLAS_REFUSED
-        )
-        and cublas_available(a.device),
-        deep_gemm_here=requested in ("auto", "cublas", "deep_gemm")
-        and a.is_cuda
-        and _deep_gemm() is not None,
+        cublas_here=others and not refused and cublas_available(a.device),
+        deep_gemm_here=others and a.is_cuda and _deep_gemm() is not None,
     )
 
 
@@ -441,7 +441,7 @@ def fp8_gemm_nt(
         return fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
     if which == "cublas":  # M, N, K > 0 (cublas_supports)
         return _cublas_or_triton(
-            "forward / input gradient",
+            _cublas_kind(False),
             backend is not None,
             lambda: cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype),
             lambda: fp8_gemm_nt(a, b, b_scale, offs, out_dtype=out_dtype, backend="triton", config=config),
@@ -507,7 +507,7 @@ def fp8_gemm_wgrad(
         out = fp8_gemm_wgrad_reference(a, b, out_dtype=out_dtype)
     elif which == "cublas":
         return _cublas_or_triton(
-            "weight gradient",
+            _cublas_kind(True),
             backend is not None,
             lambda: cublas_gemm_wgrad(a, b, out_dtype=out_dtype),
             lambda: fp8_gemm_wgrad(a, b, grouped=False, out_dtype=out_dtype, backend="triton", config=config),

@@ -65,12 +65,13 @@ def interpreting() -> bool:
 
 
 BACKEND_ENV = "FMOE_KERNEL_BACKEND"
-BACKENDS = ("auto", "triton", "torch", "deep_gemm")
+BACKENDS = ("auto", "triton", "torch", "cublas", "deep_gemm")
 
 
 def kernel_backend() -> str:
     """``FMOE_KERNEL_BACKEND``: ``auto`` (default), ``triton``, ``torch`` (every kernel takes its
-    reference) or ``deep_gemm`` (dense GEMMs through deep_gemm, the rest through Triton)."""
+    reference), ``cublas`` (dense FP8 GEMMs through cuBLAS where it supports them, the rest through
+    Triton) or ``deep_gemm`` (dense GEMMs through deep_gemm, the rest through Triton)."""
     backend = os.environ.get(BACKEND_ENV, "auto")
     if backend not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}: must be one of {BACKENDS}, got {backend!r}")

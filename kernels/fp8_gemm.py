@@ -21,15 +21,19 @@ Status: checked against the references on an H200 (every check of benchmarks/res
 fp8_checks_h200.json passes) and under the interpreter; the tile defaults are the sweep's best.
 
 Backends: ``triton`` (these kernels; on CPU tensors under ``TRITON_INTERPRET=1``), ``torch`` (the
-references below: dequantize, then an FP32 matmul), and ``deep_gemm`` when it is importable, used
-by ``auto`` for the dense NT GEMM on shapes it supports. ``FMOE_KERNEL_BACKEND`` or the
-``backend`` argument overrides the choice. deep_gemm could not be installed where this was written,
-so its adapter is untested; the grouped GEMMs always run here (deep_gemm's contiguous grouped GEMM
-needs each expert's rows padded to 128, which fmoe's dispatch does not do).
+references below: dequantize, then an FP32 matmul), ``cublas`` (``fp8_cublas``: torch's
+``scaled_mm`` on Hopper, for the dense forward / input-gradient / weight-gradient GEMMs of the
+shapes ``cublas_supports`` lists) and ``deep_gemm`` when it is importable. ``auto`` takes deep_gemm,
+then cuBLAS, where they apply, else Triton (:func:`choose_backend`, the one place that decides);
+``FMOE_KERNEL_BACKEND`` or the ``backend`` argument forces one. deep_gemm could not be installed
+where this was written, so its adapter is untested; the grouped GEMMs always run on Triton here
+(deep_gemm's contiguous grouped GEMM needs each expert's rows padded to 128, which fmoe's dispatch
+does not do).
 """
 
 import functools
 import importlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +50,7 @@ from fmoe.kernels._triton import (
     triton,
     use_triton,
 )
+from fmoe.kernels.fp8_cublas import cublas_available, cublas_gemm_nt, cublas_gemm_wgrad, cublas_supports
 from fmoe.kernels.fp8_quant import (
     FP8_DTYPE,
     GROUP,
@@ -263,42 +268,108 @@ def _deep_gemm():
         return None
 
 
-def _deep_gemm_supports(a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool) -> bool:
-    M, K = a.shape
-    N = b.shape[-2]
-    return (
-        a.is_cuda and not grouped and out_dtype == torch.bfloat16 and K % 128 == 0 and N % 64 == 0 and M > 0
-    )
+def _deep_gemm_supports(
+    M: int, N: int, K: int, *, wgrad: bool, grouped: bool, out_dtype: torch.dtype
+) -> bool:
+    return not (wgrad or grouped) and out_dtype == torch.bfloat16 and K % 128 == 0 and N % 64 == 0 and M > 0
 
 
-def _backend(backend: str | None, a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool) -> str:
-    """The backend a call runs on. An explicit ``backend`` argument that cannot run raises; the
-    environment's choice falls back (deep_gemm -> Triton -> torch) where it does not apply."""
-    explicit = backend is not None
-    backend = backend or kernel_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
-    if backend == "torch":
-        return backend
-    deep_gemm_ok = _deep_gemm() is not None and _deep_gemm_supports(a, b, out_dtype, grouped)
-    if backend == "deep_gemm":
-        if deep_gemm_ok:
-            return backend
+def choose_backend(
+    requested: str,
+    *,
+    explicit: bool,
+    M: int,
+    N: int,
+    K: int,
+    wgrad: bool,
+    grouped: bool,
+    out_dtype: torch.dtype,
+    triton_runs: bool,
+    cublas_here: bool,
+    deep_gemm_here: bool,
+) -> str:
+    """The backend a GEMM runs on: the one place that decides, a pure function of the call's shape
+    and of what the machine offers.
+
+    requested:   ``auto``, ``triton``, ``torch``, ``cublas`` or ``deep_gemm``; ``explicit`` when it
+                 is the ``backend`` argument (then it must run, or ValueError), else it is the
+                 environment's choice and falls back (deep_gemm / cublas -> Triton -> torch)
+    M, N, K:     C [M, N] = A [M, K] @ B^T; ``wgrad``: the weight gradient (K = padded tokens)
+    triton_runs: the Triton kernels can launch (CUDA tensors, or CPU ones under the interpreter)
+    cublas_here: cuBLAS block-scaled FP8 exists for these tensors (``cublas_available``)
+    auto takes deep_gemm, then cuBLAS, where they support the shape (``cublas_supports``: the dense
+    GEMMs), else Triton, else the torch reference.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {requested!r}")
+    if requested == "torch":
+        return requested
+    shape = dict(wgrad=wgrad, grouped=grouped, out_dtype=out_dtype)
+    ok = {
+        "deep_gemm": deep_gemm_here and _deep_gemm_supports(M, N, K, **shape),
+        "cublas": cublas_here and cublas_supports(M, N, K, **shape),
+    }
+    if requested in ok:
+        if ok[requested]:
+            return requested
         if explicit:
-            why = (
-                "is not importable"
-                if _deep_gemm() is None
-                else "does not support this call (grouped or shape)"
+            here = cublas_here if requested == "cublas" else deep_gemm_here
+            call = (
+                f"{'grouped' if grouped else 'dense'}{' wgrad' if wgrad else ''} {M} x {N} x {K} {out_dtype}"
             )
-            raise ValueError(f"backend: 'deep_gemm' was asked for, but deep_gemm {why}")
-        backend = "auto"
-    if backend == "auto":
-        if deep_gemm_ok:
-            return "deep_gemm"
-        return "triton" if use_triton(a) else "torch"
-    if not (HAS_TRITON and (a.is_cuda or interpreting())):
+            why = f"does not support this call ({call})" if here else "is not available here"
+            raise ValueError(f"backend: {requested!r} was asked for, but {requested} {why}")
+        requested = "auto"
+    if requested == "auto":
+        return next((name for name in ok if ok[name]), "triton" if triton_runs else "torch")
+    if not triton_runs:
         raise ValueError("backend: 'triton' needs CUDA tensors or TRITON_INTERPRET=1")
-    return backend
+    return requested
+
+
+# cuBLAS calls that torch refused at run time (its argument checks raise before the GEMM launches;
+# at most the scale padding ran, its output unread): GEMM kind -> torch's message. ``auto`` then
+# keeps that kind on Triton for the rest of the process (and warns once); an explicit
+# ``backend="cublas"`` raises.
+CUBLAS_REFUSED: dict[str, str] = {}
+
+
+def _cublas_kind(wgrad: bool) -> str:
+    return "weight gradient" if wgrad else "forward / input gradient"
+
+
+def _cublas_or_triton(kind: str, explicit: bool, cublas_call, triton_call) -> Tensor:
+    try:
+        return cublas_call()
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        if explicit:
+            raise
+        CUBLAS_REFUSED[kind] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"cuBLAS refused the FP8 {kind} GEMM, Triton runs it from now on: {e}", stacklevel=3)
+        return triton_call()
+
+
+def _backend(
+    backend: str | None, a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool, wgrad: bool = False
+) -> str:
+    """The backend a call on these operands runs on (:func:`choose_backend`, given the machine).
+    a: [M, K] (wgrad: [M, cap]); b: [(experts,) N, K] (wgrad: [N, cap])."""
+    requested = backend or kernel_backend()
+    others = requested in ("auto", "cublas", "deep_gemm")  # may take cuBLAS or deep_gemm
+    refused = backend is None and _cublas_kind(wgrad) in CUBLAS_REFUSED
+    return choose_backend(
+        requested,
+        explicit=backend is not None,
+        M=a.shape[0],
+        N=b.shape[0] if wgrad else b.shape[-2],
+        K=a.shape[-1],
+        wgrad=wgrad,
+        grouped=grouped,
+        out_dtype=out_dtype,
+        triton_runs=HAS_TRITON and (a.is_cuda or interpreting()) and (requested == "triton" or use_triton(a)),
+        cublas_here=others and not refused and cublas_available(a.device),
+        deep_gemm_here=others and a.is_cuda and _deep_gemm() is not None,
+    )
 
 
 def _deep_gemm_nt(a: Fp8Act, b: Tensor, b_scale: Tensor, out: Tensor) -> Tensor:
@@ -368,6 +439,13 @@ def fp8_gemm_nt(
     which = _backend(backend, a.data, b, out_dtype, grouped)
     if which == "torch":
         return fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
+    if which == "cublas":  # M, N, K > 0 (cublas_supports)
+        return _cublas_or_triton(
+            _cublas_kind(False),
+            backend is not None,
+            lambda: cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype),
+            lambda: fp8_gemm_nt(a, b, b_scale, offs, out_dtype=out_dtype, backend="triton", config=config),
+        )
     out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
     if M == 0 or N == 0:
         return out
@@ -424,9 +502,16 @@ def fp8_gemm_wgrad(
     if not grouped and E != 1:
         raise ValueError(f"grouped: False needs one token group, got {E}")
     M, N = a.data.shape[0], b.data.shape[0]
-    which = _backend(backend, a.data, b.data, out_dtype, grouped=True)  # deep_gemm: not for wgrad here
+    which = _backend(backend, a.data, b.data, out_dtype, grouped=grouped, wgrad=True)
     if which == "torch":
         out = fp8_gemm_wgrad_reference(a, b, out_dtype=out_dtype)
+    elif which == "cublas":
+        return _cublas_or_triton(
+            _cublas_kind(True),
+            backend is not None,
+            lambda: cublas_gemm_wgrad(a, b, out_dtype=out_dtype),
+            lambda: fp8_gemm_wgrad(a, b, grouped=False, out_dtype=out_dtype, backend="triton", config=config),
+        )
     else:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.data.device)
         if out.numel() > 0:

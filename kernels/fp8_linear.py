@@ -13,6 +13,8 @@ Activations may be passed already quantized, to share one read of a tensor betwe
 the weight gradient reads; ``swiglu_quant`` and ``rmsnorm(quantize=True)`` give an Fp8Act directly.
 Numerics: E4M3 values with FP32 scales (1x128 groups for activations and gradients, 128x128 blocks
 for weights), FP32 accumulation, ``out_dtype`` results (bf16 by default).
+The dense GEMMs run on cuBLAS where it supports them (Hopper), else on Triton; ``backend`` (or
+``FMOE_KERNEL_BACKEND``) forces one (``fmoe.kernels.fp8_gemm.choose_backend`` decides).
 """
 
 import torch
@@ -54,11 +56,12 @@ def fp8_linear_forward(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     pow2_scales: bool = False,
+    backend: str | None = None,
 ) -> Tensor:
     """y = x @ w^T. x: [tokens, in] (or its Fp8Act), w_fp8: Fp8Weight of [out, in] -> y [tokens, out]."""
     _check_weight(w_fp8, grouped=False)
     a = _rows(x, pow2_scales)
-    return fp8_gemm_nt(a, w_fp8.data, w_fp8.scale, out_dtype=out_dtype)
+    return fp8_gemm_nt(a, w_fp8.data, w_fp8.scale, out_dtype=out_dtype, backend=backend)
 
 
 def fp8_linear_input_grad(
@@ -67,10 +70,12 @@ def fp8_linear_input_grad(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     pow2_scales: bool = False,
+    backend: str | None = None,
 ) -> Tensor:
     """dx = dy @ w. dy: [tokens, out] (or its Fp8Act) -> dx [tokens, in]."""
     _check_weight(w_fp8, grouped=False)
-    return fp8_gemm_nt(_rows(dy, pow2_scales), w_fp8.data_t, w_fp8.scale_t, out_dtype=out_dtype)
+    a = _rows(dy, pow2_scales)
+    return fp8_gemm_nt(a, w_fp8.data_t, w_fp8.scale_t, out_dtype=out_dtype, backend=backend)
 
 
 def fp8_linear_weight_grad(
@@ -79,11 +84,11 @@ def fp8_linear_weight_grad(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     pow2_scales: bool = False,
+    backend: str | None = None,
 ) -> Tensor:
     """dw = dy^T @ x. x: [tokens, in], dy: [tokens, out] (or their Fp8ActT) -> dw [out, in]."""
-    return fp8_gemm_wgrad(
-        _cols(dy, None, pow2_scales), _cols(x, None, pow2_scales), grouped=False, out_dtype=out_dtype
-    )
+    a, b = _cols(dy, None, pow2_scales), _cols(x, None, pow2_scales)
+    return fp8_gemm_wgrad(a, b, grouped=False, out_dtype=out_dtype, backend=backend)
 
 
 def fp8_grouped_linear_forward(

@@ -21,9 +21,16 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from fmoe.stages import fp8_inputs
+from fmoe.stages.fp8_inputs import CachedInput, cols_from_saved, cols_to_save
+
+if TYPE_CHECKING:
+    from fmoe.kernels.fp8_quant import Fp8ActT
 
 __all__ = [
     "DenseWeightGrad",
@@ -109,16 +116,20 @@ def _tape_for(weight: Tensor) -> WeightGradTape | None:
 
 @contextlib.contextmanager
 def defer_weight_grads(tape: WeightGradTape) -> Iterator[WeightGradTape]:
-    """Primitives run forward while active record their weight GEMMs on ``tape`` in backward."""
+    """Primitives run forward while active record their weight GEMMs on ``tape`` in backward. One F:
+    an input several FP8 linears read is quantized once when cached (``fp8_inputs.input_scope``)."""
     token = _ACTIVE_TAPE.set(tape)
     try:
-        yield tape
+        with fp8_inputs.input_scope():
+            yield tape
     finally:
         _ACTIVE_TAPE.reset(token)
 
 
 @contextlib.contextmanager
-def fp8_training(enabled: bool = True, *, dense: bool = True) -> Iterator[None]:
+def fp8_training(
+    enabled: bool = True, *, dense: bool = True, cache_inputs: bool = False, cache_expert_inputs: bool = False
+) -> Iterator[None]:
     """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
 
     Activations and output gradients are quantized in 1x128 groups, weights in 128x128 blocks, FP32
@@ -128,11 +139,16 @@ def fp8_training(enabled: bool = True, *, dense: bool = True) -> Iterator[None]:
     ``fp8=False`` (router, LM head), stay in the compute dtype. ``dense=False`` keeps every
     ``linear`` (the attention projections) in the compute dtype too: only the expert GEMMs run in
     FP8 (at a few thousand tokens per microbatch the projections' GEMMs are too small to gain).
+    cache_inputs / cache_expert_inputs: ``linear`` / ``grouped_linear`` keep their input in the FP8
+    form their weight gradient reads, not in the compute dtype (``fmoe.stages.fp8_inputs``; bitwise
+    the same results). Expert inputs only where no micro-batch's expert W is merged with another's
+    (``MemoryPolicy.fp8_cache_experts`` decides; a merge of cached parts is refused).
     """
     token = _FP8_WEIGHTS.set({} if enabled else None)
     dense_token = _FP8_DENSE.set(dense)
     try:
-        yield
+        with fp8_inputs.caching(cache_inputs, cache_expert_inputs):
+            yield
     finally:
         _FP8_DENSE.reset(dense_token)
         _FP8_WEIGHTS.reset(token)
@@ -197,9 +213,10 @@ def grouped_mm_weight_grad(x: Tensor, dy: Tensor, offs: Tensor, num_groups: int)
 class GroupedWeightGrad:
     """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
     so that a step can merge the W of several microbatches into one GEMM
-    (:func:`merge_grouped_weight_grads`). x [n, k], dy [n, m], offs [E] int32 with offs[-1] = n."""
+    (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_inputs``),
+    dy [n, m], offs [E] int32 with offs[-1] = n."""
 
-    x: Tensor
+    x: Tensor | Fp8ActT
     dy: Tensor
     offs: Tensor
     num_groups: int
@@ -211,7 +228,7 @@ class GroupedWeightGrad:
 
 
 def _grouped_weight_grad(
-    x: Tensor, dy: Tensor, offs: Tensor, num_groups: int, fp8: bool, out_dtype: torch.dtype | None
+    x: Tensor | Fp8ActT, dy: Tensor, offs: Tensor, num_groups: int, fp8: bool, out_dtype: torch.dtype | None
 ) -> Tensor:
     if fp8:
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
@@ -225,9 +242,10 @@ def _grouped_weight_grad(
 class DenseWeightGrad:
     """A deferred dense weight GEMM, ``dW = dy^T @ x``, kept as data so that W can add it to a
     gradient accumulated over microbatches inside the GEMM (``accumulate_into``), with no
-    weight-sized temporary and no separate add. x [n, k], dy [n, m] -> dW [m, k]."""
+    weight-sized temporary and no separate add. x [n, k] (FP8: or its cached Fp8ActT), dy [n, m]
+    -> dW [m, k]."""
 
-    x: Tensor
+    x: Tensor | Fp8ActT
     dy: Tensor
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
     out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's
@@ -266,6 +284,11 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     """
     if len(parts) == 1:
         return parts[0]()
+    if any(not isinstance(p.x, Tensor) for p in parts):  # tiles of the merged rows straddle parts
+        raise ValueError(
+            "merge_grouped_weight_grads: an input cached in FP8 cannot be merged bitwise with another "
+            "micro-batch's (cache expert inputs only where W is not merged: MemoryPolicy.fp8_cache_experts)"
+        )
     first = parts[0]
     if any(
         (p.fp8, p.out_dtype, p.num_groups) != (first.fp8, first.out_dtype, first.num_groups) for p in parts
@@ -351,69 +374,76 @@ class _Fp8Linear(torch.autograd.Function):
     (the input's and output gradient's column-wise quantization) - the hand-written B and W."""
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, w_fp8) -> Tensor:
+    def forward(x: Tensor, w: Tensor, w_fp8, cached: CachedInput | None) -> Tensor:
         from fmoe.kernels.fp8_linear import fp8_linear_forward
 
-        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), w_fp8, out_dtype=x.dtype)
-        return y.view(*x.shape[:-1], w.shape[0])
+        a = x.reshape(-1, x.shape[-1]) if cached is None else cached.rows
+        return fp8_linear_forward(a, w_fp8, out_dtype=x.dtype).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, w_fp8 = inputs
-        ctx.save_for_backward(x)
+        x, w, w_fp8, cached = inputs
+        # cached: only W's form is saved (``cached`` itself is not kept: its rows die after F)
+        ctx.save_for_backward(*((x,) if cached is None else cols_to_save(cached.cols)))
+        ctx.cached, ctx.x_shape = cached is not None, x.shape
         ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         from fmoe.kernels.fp8_linear import fp8_linear_input_grad
 
-        (x,) = ctx.saved_tensors
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        saved = ctx.saved_tensors
+        x2 = cols_from_saved(saved) if ctx.cached else saved[0].reshape(-1, saved[0].shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
         dx = (
-            fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view_as(x)
+            fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[0]
             else None
         )
         if not ctx.needs_input_grad[1]:
-            return dx, None, None
+            return dx, None, None, None
         compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
-            return dx, None, None
-        return dx, compute(), None
+            return dx, None, None, None
+        return dx, compute(), None, None
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, w: Tensor, offs: Tensor, w_fp8) -> Tensor:
+    def forward(x: Tensor, w: Tensor, offs: Tensor, w_fp8, cached: CachedInput | None) -> Tensor:
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward
 
-        return fp8_grouped_linear_forward(x, w_fp8, offs, out_dtype=x.dtype)
+        return fp8_grouped_linear_forward(
+            x if cached is None else cached.rows, w_fp8, offs, out_dtype=x.dtype
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, offs, w_fp8 = inputs
-        ctx.save_for_backward(x, offs)
+        x, w, offs, w_fp8, cached = inputs
+        ctx.save_for_backward(offs, *((x,) if cached is None else cols_to_save(cached.cols)))
+        ctx.cached = cached is not None
         ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
 
-        x, offs = ctx.saved_tensors
+        offs, *saved = ctx.saved_tensors
+        x = cols_from_saved(tuple(saved)) if ctx.cached else saved[0]
         dx = (
             fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dy.dtype)
             if ctx.needs_input_grad[0]
             else None
         )
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None
+            return dx, None, None, None, None
         # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads)
         compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=True, out_dtype=ctx.weight.dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
-            return dx, None, None, None
-        return dx, compute(), None, None
+            return dx, None, None, None, None
+        return dx, compute(), None, None, None
 
 
 def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
@@ -425,7 +455,8 @@ def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
     """
     cache = _FP8_WEIGHTS.get()
     if fp8 and cache is not None and _FP8_DENSE.get() and _fp8_eligible(x, w):
-        return _Fp8Linear.apply(x, w, _fp8_weight(w, cache))
+        cached = fp8_inputs.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None)
+        return _Fp8Linear.apply(x, w, _fp8_weight(w, cache), cached)
     return _Linear.apply(x, w)
 
 
@@ -437,5 +468,6 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """
     cache = _FP8_WEIGHTS.get()
     if cache is not None and _fp8_eligible(x, w):
-        return _Fp8GroupedLinear.apply(x, w, offs, _fp8_weight(w, cache))
+        cached = fp8_inputs.cached_input("grouped_linear", x, x, offs)
+        return _Fp8GroupedLinear.apply(x, w, offs, _fp8_weight(w, cache), cached)
     return _GroupedLinear.apply(x, w, offs)

@@ -1,0 +1,233 @@
+"""FP8 activation caching (``fmoe.stages.fp8_inputs``, ``memory.fp8_cache``): an FP8 linear keeps its
+input in the FP8 form its weight gradient reads. The step's bits are those without caching, the
+bytes F saves are about half, the bf16 input is no longer held, and a merge of cached parts (which
+could not keep the bits) is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import random_batch, tiny_config
+
+from fmoe import parallel, recipe, runner, sharding
+from fmoe import stage as S
+from fmoe.kernels import fp8_quant
+from fmoe.kernels.fp8_quant import Fp8ActT, quantize_act_t
+from fmoe.memory_policy import MemoryPolicy
+from fmoe.mesh import build_mesh
+from fmoe.stages import primitives, qwen3_moe
+from fmoe.stages.fp8_inputs import cached_input_bytes
+from fmoe.stages.primitives import fp8_training, grouped_linear, linear
+from fmoe.stages.spec import Stage, StageContext
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    # the FP8 kernels' plain-torch references (the Triton kernels write their bits, bitwise:
+    # tests/test_kernels_fp8_quant.py, and tests/test_cuda.py compiled)
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
+
+
+def fp8_config(**overrides):
+    # dims multiples of 128 (the FP8 GEMMs' blocks); one dense layer and one MoE layer
+    fields = dict(vocab_size=264, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=128,
+                  num_hidden_layers=2, mlp_only_layers=(0,))  # fmt: skip
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def cached_kinds(monkeypatch) -> list[str]:
+    """The primitive kinds whose inputs get cached (one entry per quantization) while a test runs."""
+    kinds = []
+    real = fp8_quant.quantize_act_t  # fp8_inputs imports it at each call
+
+    def spy(x, offs=None, **kw):
+        if kw.get("with_rows"):
+            kinds.append("linear" if offs is None else "grouped_linear")
+        return real(x, offs, **kw)
+
+    monkeypatch.setattr(fp8_quant, "quantize_act_t", spy)
+    return kinds
+
+
+def differences(a: runner.StepResult, b: runner.StepResult) -> list[str]:
+    out = [] if torch.equal(a.loss, b.loss) else ["loss"]
+    return out + [n for n in b.grads if not torch.equal(a.grads[n], b.grads[n])]
+
+
+def run_step(model, params, batch, microbatches: int, policy: MemoryPolicy, cache: bool) -> runner.StepResult:
+    with fp8_training(
+        True, cache_inputs=cache and policy.fp8_cache, cache_expert_inputs=cache and policy.fp8_cache_experts(1, microbatches)
+    ):  # fmt: skip
+        return runner.run_sequential(model, params, batch, microbatches, memory=policy)
+
+
+def test_fp8_cache_with_the_triton_kernels_gives_bitwise_the_step_without(monkeypatch):
+    # interpreted Triton is slow: one MoE layer, 128 tokens, one micro-batch (every input cached)
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "triton")
+    cfg = fp8_config(vocab_size=64, num_hidden_layers=1, mlp_only_layers=())
+    model = qwen3_moe.build(cfg)
+    params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
+    batch = random_batch(cfg, 1, 128)
+    policy = MemoryPolicy()
+    kinds = cached_kinds(monkeypatch)
+    ref = run_step(model, params, batch, 1, policy, cache=False)
+    got = run_step(model, params, batch, 1, policy, cache=True)
+    assert not differences(got, ref) and kinds == ["linear", "linear", "grouped_linear", "grouped_linear"]
+
+
+@pytest.mark.parametrize("window", [1, 0])
+def test_fp8_cache_gives_bitwise_the_losses_and_grads_of_no_cache(window, monkeypatch):
+    cfg = fp8_config()
+    model = qwen3_moe.build(cfg)
+    params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
+    batch = random_batch(cfg, 2, 64)
+    policy = MemoryPolicy(merge_window=window)
+    kinds = cached_kinds(monkeypatch)
+    ref = run_step(model, params, batch, 2, policy, cache=False)
+    assert not kinds
+    got = run_step(model, params, batch, 2, policy, cache=True)
+    assert not differences(got, ref)
+    # per micro-batch: q/k/v share one quantized input (+ o) in 2 layers, the dense MLP's gate/up
+    # share one (+ down); the experts' gate_up and down only where W is not merged (window 1)
+    dense = 2 * (2 * 2) + 2 * 2
+    assert kinds.count("linear") == dense
+    assert kinds.count("grouped_linear") == (2 * 2 if window == 1 else 0)
+
+
+def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
+    # the comparison above can fail: a cached form quantized unlike W's own (power-of-two scales)
+    # changes the weight gradients (one quantized as a single group, not per expert, is refused
+    # by the GEMM: the groupings of x and dy differ)
+    cfg = fp8_config()
+    model = qwen3_moe.build(cfg)
+    params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
+    batch = random_batch(cfg, 1, 64)
+    policy = MemoryPolicy(merge_window=1)
+    ref = run_step(model, params, batch, 1, policy, cache=False)
+    real = fp8_quant.quantize_act_t
+    monkeypatch.setattr(
+        fp8_quant, "quantize_act_t", lambda x, offs=None, **kw: real(x, offs, **kw, pow2_scales=True)
+    )
+    got = run_step(model, params, batch, 1, policy, cache=True)
+    changed = differences(got, ref)
+    for name in ("q_proj.weight", "mlp.down_proj.weight", "experts.gate_up_proj", "experts.down_proj"):
+        assert any(n.endswith(name) for n in changed), (name, changed)
+
+
+def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits():
+    # parallel_step (fmoe train's step) opens the caching from memory.fp8_cache
+    cfg = fp8_config()
+    model = qwen3_moe.build(cfg)
+    mesh = build_mesh(1, 1, 1, 1)
+    shapes = qwen3_moe.param_shapes(cfg)
+    infos = sharding.layout(model, mesh, shapes, list(shapes))
+    shards = sharding.shard_canonical(model.init(seed=2), infos, mesh)
+    batch = random_batch(cfg, 2, 64, seed=1)
+    out = {}
+    for cache in (True, False):
+        policy = MemoryPolicy(merge_window=1, fp8_cache=cache)
+        out[cache] = parallel.parallel_step(
+            model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True, memory=policy
+        )
+    assert torch.equal(out[True].loss, out[False].loss)
+    assert all(torch.equal(out[True].grad_shards[n], g) for n, g in out[False].grad_shards.items())
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves while ``fn`` runs (distinct storages)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_a_cached_fp8_linear_saves_about_half_the_bytes_of_its_bf16_input():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(384, 256, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(128, 256, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+    xe = torch.randn(512, 128, generator=gen).to(torch.bfloat16).requires_grad_()
+    we = (torch.randn(4, 256, 128, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+    offs = torch.tensor([100, 100, 356, 512], dtype=torch.int32)  # an empty expert, ragged ones
+    for cache in (False, True):
+        with fp8_training(True, cache_inputs=cache, cache_expert_inputs=cache):
+            dense = saved_bytes(lambda: linear(x, w))
+            grouped = saved_bytes(lambda: grouped_linear(xe, we, offs))
+        if not cache:
+            assert dense == 2 * x.numel() and grouped == 2 * xe.numel() + offs.nbytes
+            continue
+        # 1 byte an element and a float32 scale per 128 tokens (dense: 384 tokens, 3 tiles)
+        assert dense == cached_input_bytes(384, 256) == 384 * 256 + 4 * 256 * 3 + 8
+        assert dense / (2 * x.numel()) < 0.52
+        # grouped: cdiv(512, 128) + 4 - 1 = 7 tiles allocated (the upper bound, whatever the routing)
+        assert grouped == cached_input_bytes(512, 128, experts=4) + offs.nbytes
+        assert cached_input_bytes(512, 128, experts=4) == 128 * 7 * 128 + 4 * 128 * 7 + 8 * 4
+
+
+def test_the_bf16_input_is_freed_after_f_and_w_reads_the_cached_form():
+    # the down projection's input is the SwiGLU output, which SwiGLU's backward does not save: with
+    # caching nothing keeps it (nor the forward's row quantization) once F is done
+    gen = torch.Generator().manual_seed(1)
+    w = {
+        "l.up": torch.randn(256, 128, generator=gen) * 0.05,
+        "l.down": torch.randn(128, 128, generator=gen) * 0.05,
+    }
+    x = torch.randn(256, 128, generator=gen)
+    refs = []
+
+    def forward(p, inputs, ctx):
+        h = torch.nn.functional.silu(linear(inputs[0], p["up"])[:, :128].contiguous())
+        refs.append(weakref.ref(h))
+        return (linear(h, p["down"]),)
+
+    stage = Stage("l", forward, ("l.up", "l.down"), "l.")
+    alive = {}
+    for cache in (False, True):
+        with fp8_training(True, cache_inputs=cache):
+            (y,), fwd = S.forward(stage, w, (x,), StageContext())
+            gc.collect()
+            alive[cache] = refs[-1]() is not None
+            (dx,), work = S.backward_input(fwd, (torch.ones_like(y),))
+            xs = [compute.x for _, compute in work.tape.entries]
+            assert all(isinstance(t, Fp8ActT) for t in xs) == cache and len(xs) == 2
+            S.backward_weight(work)
+    assert alive == {False: True, True: False}
+
+
+def test_a_merge_of_cached_expert_inputs_is_refused():
+    x = torch.randn(256, 128)
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    part = primitives.GroupedWeightGrad(quantize_act_t(x, offs), torch.randn(256, 128), offs, 2, fp8=True)
+    with pytest.raises(ValueError, match="cannot be merged bitwise"):
+        primitives.merge_grouped_weight_grads([part, part])
+    assert primitives.merge_grouped_weight_grads([part]).shape == (2, 128, 128)  # alone: its own W
+    # the runner never asks: a step that merges (window 0, 2 micro-batches) caches no expert input
+    assert not MemoryPolicy().fp8_cache_experts(pp=1, num_microbatches=2)
+
+
+def test_fp8_cache_experts_only_where_no_window_merges_two_microbatches():
+    on = MemoryPolicy(merge_window=1)
+    assert on.fp8_cache_experts(1, 8) and MemoryPolicy().fp8_cache_experts(1, 1)
+    assert MemoryPolicy().fp8_cache_experts(2, 8)  # pp > 1: W per micro-batch, never merged
+    assert not MemoryPolicy(merge_window=2).fp8_cache_experts(1, 8)
+    assert not MemoryPolicy(merge_window=1, fp8_cache=False).fp8_cache_experts(1, 8)
+
+
+def test_fp8_cache_reaches_the_recipe_round_trips_and_a_bad_value_names_its_field():
+    data = {"model": {"family": "qwen3_moe"}}
+    assert recipe.from_dict(data, "r.toml").memory.fp8_cache is True  # on by default
+    got = recipe.from_dict({**data, "memory": {"fp8_cache": False, "merge_window": 1}}).memory
+    assert got == MemoryPolicy(merge_window=1, fp8_cache=False)
+    assert recipe.from_dict({**data, "memory": dataclasses.asdict(got)}).memory == got
+    with pytest.raises(recipe.RecipeError, match=r"^r.toml: memory.fp8_cache must be bool"):
+        recipe.from_dict({**data, "memory": {"fp8_cache": 1}}, "r.toml")

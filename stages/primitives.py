@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from fmoe.stages import fp8_inputs
-from fmoe.stages.fp8_inputs import CachedInput, cols_from_saved, cols_to_save
+from fmoe.stages import fp8_mode
+from fmoe.stages.fp8_mode import CachedInput, cols_from_saved, cols_to_save, fp8_training
 
 if TYPE_CHECKING:
     from fmoe.kernels.fp8_quant import Fp8ActT
@@ -96,8 +96,6 @@ def non_overlapping(t: Tensor) -> bool:
     return True
 
 
-_FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
-_FP8_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense", default=True)
 _ACTIVE_TAPE: contextvars.ContextVar[WeightGradTape | None] = contextvars.ContextVar(
     "fmoe_weight_grad_tape", default=None
 )
@@ -117,66 +115,13 @@ def _tape_for(weight: Tensor) -> WeightGradTape | None:
 @contextlib.contextmanager
 def defer_weight_grads(tape: WeightGradTape) -> Iterator[WeightGradTape]:
     """Primitives run forward while active record their weight GEMMs on ``tape`` in backward. One F:
-    an input several FP8 linears read is quantized once when cached (``fp8_inputs.input_scope``)."""
+    an input several FP8 linears read is quantized once when cached (``fp8_mode.input_scope``)."""
     token = _ACTIVE_TAPE.set(tape)
     try:
-        with fp8_inputs.input_scope():
+        with fp8_mode.input_scope():
             yield tape
     finally:
         _ACTIVE_TAPE.reset(token)
-
-
-@contextlib.contextmanager
-def fp8_training(
-    enabled: bool = True, *, dense: bool = True, cache_inputs: bool = False, cache_expert_inputs: bool = False
-) -> Iterator[None]:
-    """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
-
-    Activations and output gradients are quantized in 1x128 groups, weights in 128x128 blocks, FP32
-    accumulation. A weight is quantized once per block - the training loop opens one per optimizer
-    step - and reused by every microbatch; the cache is keyed by the weight's storage and version, so
-    an in-place update is seen. Layers whose dims are not multiples of 128, and calls made with
-    ``fp8=False`` (router, LM head), stay in the compute dtype. ``dense=False`` keeps every
-    ``linear`` (the attention projections) in the compute dtype too: only the expert GEMMs run in
-    FP8 (at a few thousand tokens per microbatch the projections' GEMMs are too small to gain).
-    cache_inputs / cache_expert_inputs: ``linear`` / ``grouped_linear`` keep their input in the FP8
-    form their weight gradient reads, not in the compute dtype (``fmoe.stages.fp8_inputs``; bitwise
-    the same results). Expert inputs only where no micro-batch's expert W is merged with another's
-    (``MemoryPolicy.fp8_cache_experts`` decides; a merge of cached parts is refused).
-    """
-    token = _FP8_WEIGHTS.set({} if enabled else None)
-    dense_token = _FP8_DENSE.set(dense)
-    try:
-        with fp8_inputs.caching(cache_inputs, cache_expert_inputs):
-            yield
-    finally:
-        _FP8_DENSE.reset(dense_token)
-        _FP8_WEIGHTS.reset(token)
-
-
-def _quantize_weight(w: Tensor):
-    from fmoe.kernels.fp8_quant import quantize_weight
-
-    return quantize_weight(w)
-
-
-def _fp8_weight(w: Tensor, cache: dict):
-    # strides too: a view (``w.t()``, a slice of a fused weight) is another weight on the same storage
-    key = (
-        w.untyped_storage().data_ptr(),
-        w.storage_offset(),
-        tuple(w.shape),
-        w.stride(),
-        w.dtype,
-        w._version,
-    )
-    if key not in cache:
-        cache[key] = _quantize_weight(w.detach())
-    return cache[key]
-
-
-def _fp8_eligible(x: Tensor, w: Tensor) -> bool:
-    return all(d % 128 == 0 for d in w.shape[-2:]) and x.shape[-1] == w.shape[-1]
 
 
 def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
@@ -213,7 +158,7 @@ def grouped_mm_weight_grad(x: Tensor, dy: Tensor, offs: Tensor, num_groups: int)
 class GroupedWeightGrad:
     """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
     so that a step can merge the W of several microbatches into one GEMM
-    (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_inputs``),
+    (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``),
     dy [n, m], offs [E] int32 with offs[-1] = n."""
 
     x: Tensor | Fp8ActT
@@ -453,10 +398,10 @@ def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
     LM head in the compute dtype, as DeepSeek-V3 does), the block was opened with ``dense=False``,
     or the dims are not multiples of 128.
     """
-    cache = _FP8_WEIGHTS.get()
-    if fp8 and cache is not None and _FP8_DENSE.get() and _fp8_eligible(x, w):
-        cached = fp8_inputs.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None)
-        return _Fp8Linear.apply(x, w, _fp8_weight(w, cache), cached)
+    w_fp8 = fp8_mode.fp8_weight(x, w, dense=True) if fp8 else None
+    if w_fp8 is not None:
+        cached = fp8_mode.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None)
+        return _Fp8Linear.apply(x, w, w_fp8, cached)
     return _Linear.apply(x, w)
 
 
@@ -466,8 +411,8 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     x: [n, in] rows grouped by expert, w: [E, out, in], offs: [E] int32 cumulative end offsets
     (an expert may get no rows) -> [n, out]. FP8 inside :func:`fp8_training`, as for ``linear``.
     """
-    cache = _FP8_WEIGHTS.get()
-    if cache is not None and _fp8_eligible(x, w):
-        cached = fp8_inputs.cached_input("grouped_linear", x, x, offs)
-        return _Fp8GroupedLinear.apply(x, w, offs, _fp8_weight(w, cache), cached)
+    w_fp8 = fp8_mode.fp8_weight(x, w, dense=False)
+    if w_fp8 is not None:
+        cached = fp8_mode.cached_input("grouped_linear", x, x, offs)
+        return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached)
     return _GroupedLinear.apply(x, w, offs)

@@ -1,4 +1,4 @@
-"""FP8 activation caching (``fmoe.stages.fp8_inputs``, ``memory.fp8_cache``): an FP8 linear keeps its
+"""FP8 activation caching (``fmoe.stages.fp8_mode``, ``memory.fp8_cache``): an FP8 linear keeps its
 input in the FP8 form its weight gradient reads. The step's bits are those without caching, the
 bytes F saves are about half, the bf16 input is no longer held, and a merge of cached parts (which
 could not keep the bits) is refused."""
@@ -20,7 +20,7 @@ from fmoe.kernels.fp8_quant import Fp8ActT, quantize_act_t
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import build_mesh
 from fmoe.stages import primitives, qwen3_moe
-from fmoe.stages.fp8_inputs import cached_input_bytes
+from fmoe.stages.fp8_mode import cached_input_bytes
 from fmoe.stages.primitives import fp8_training, grouped_linear, linear
 from fmoe.stages.spec import Stage, StageContext
 
@@ -44,7 +44,7 @@ def fp8_config(**overrides):
 def cached_kinds(monkeypatch) -> list[str]:
     """The primitive kinds whose inputs get cached (one entry per quantization) while a test runs."""
     kinds = []
-    real = fp8_quant.quantize_act_t  # fp8_inputs imports it at each call
+    real = fp8_quant.quantize_act_t  # fp8_mode imports it at each call
 
     def spy(x, offs=None, **kw):
         if kw.get("with_rows"):

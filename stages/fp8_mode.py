@@ -20,6 +20,11 @@ inputs are cached only where a micro-batch's expert W is not merged with another
 rows, whose 128-token tiles straddle micro-batches, so it cannot read per-micro-batch cached parts
 and keep its bits (``merge_grouped_weight_grads`` refuses them).
 
+Only an input made inside the F is cached: a stage's input (a leaf, or a view of one) is kept by F
+for B anyway, and so is any tensor another operation saves; a linear whose input such an operation
+also saves is called with ``linear(..., cache=False)`` (MLA's query projection: its input also
+feeds ``kv_a_proj_with_mqa``, whose 576 rows keep it out of FP8, and so in the compute dtype).
+
 Within one F (``input_scope``, opened by ``defer_weight_grads``) an input read by several linears
 (q, k and v of one normed hidden state; gate and up of a dense MLP) is quantized once and its cached
 form shared, as the compute-dtype tensor was. The scope forgets everything when F ends.
@@ -163,8 +168,11 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
 
     x: the tensor the stage passed (its identity keys the sharing within an F); x2: its [n, k] rows
     (x itself, or ``x.reshape(-1, k)``); offs: [E] int32 cumulative expert end rows (grouped), or
-    None (one group). Not cached outside ``caching`` or when no gradient is being recorded."""
-    if kind not in _CACHED.get() or not torch.is_grad_enabled():
+    None (one group). Not cached outside ``fp8_training``'s caching, when no gradient is being
+    recorded, or when ``x`` is a leaf or a view of one (a stage's input, which F keeps for B anyway:
+    its cached form would only add bytes)."""
+    root = x if x._base is None else x._base
+    if kind not in _CACHED.get() or not torch.is_grad_enabled() or root.grad_fn is None:
         return None
     seen = _SEEN.get()
     hit = seen.get(id(x)) if seen is not None else None

@@ -391,16 +391,18 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return dx, compute(), None, None, None
 
 
-def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
+def linear(x: Tensor, w: Tensor, fp8: bool = True, cache: bool = True) -> Tensor:
     """``x @ w.T`` with a deferrable weight gradient. x: [..., in], w: [out, in] -> [..., out].
 
     Inside :func:`fp8_training` it runs as FP8 GEMMs unless ``fp8=False`` (keep the router and the
     LM head in the compute dtype, as DeepSeek-V3 does), the block was opened with ``dense=False``,
-    or the dims are not multiples of 128.
+    or the dims are not multiples of 128. ``cache=False``: keep ``x`` for W in the compute dtype even
+    where ``fp8_training`` caches inputs in FP8 - for an ``x`` another operation saves anyway (a
+    non-FP8 linear on it), whose cached form would only add bytes (``fmoe.stages.fp8_mode``).
     """
     w_fp8 = fp8_mode.fp8_weight(x, w, dense=True) if fp8 else None
     if w_fp8 is not None:
-        cached = fp8_mode.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None)
+        cached = fp8_mode.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None) if cache else None
         return _Fp8Linear.apply(x, w, w_fp8, cached)
     return _Linear.apply(x, w)
 

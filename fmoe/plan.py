@@ -37,7 +37,7 @@ from fmoe import pipeline
 from fmoe.gather_plan import per_unit
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
-from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, MicroBatch, rank_activation_peaks
+from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, Fp8Caching, MicroBatch, rank_activation_peaks
 from fmoe.schedules.generators import generate
 from fmoe.schedules.simulator import simulate
 from fmoe.schedules.table import Schedule, ScheduleError
@@ -261,8 +261,9 @@ def _rank_terms(
     acts = acts_and_grads = 0
     if family is not None:
         w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
+        fp8 = Fp8Caching.of(t.fp8, t.fp8_dense, policy, pp, t.microbatches, model.num_experts // ep)
         acts, acts_and_grads = rank_activation_peaks(
-            family, recipe.model, model, table, r, mb, w_bytes, t.microbatches, policy, ep
+            family, recipe.model, model, table, r, mb, w_bytes, t.microbatches, policy, ep, fp8
         )
     if working_set is WorkingSet.STEP:
         gathered = sum(_gathered_bytes(i, e, n in buffers) for n, i in infos.items())

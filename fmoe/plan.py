@@ -37,7 +37,8 @@ from fmoe import pipeline
 from fmoe.gather_plan import per_unit
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
-from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, Fp8Caching, MicroBatch, rank_activation_peaks
+from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, MicroBatch, rank_activation_peaks
+from fmoe.plan_fp8 import Fp8Caching
 from fmoe.schedules.generators import generate
 from fmoe.schedules.simulator import simulate
 from fmoe.schedules.table import Schedule, ScheduleError

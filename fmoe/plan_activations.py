@@ -9,32 +9,27 @@ schedule's rows walked in order (:func:`pipeline_walk`, pp > 1) or the micro-bat
 (:func:`local_step_peaks`, pp = 1); :func:`rank_activation_peaks` picks the one a rank runs.
 The recipe's ``[memory]`` policy (``fmoe.memory_policy``) changes what a stage keeps between F and
 B (:func:`stage_kept_bytes`) and how long expert W operands live (``merge_window``). With
-``train.fp8`` and ``memory.fp8_cache`` (:class:`Fp8Caching`), the FP8 linears' inputs made inside a
-stage are kept in FP8 (``fmoe.stages.fp8_mode``): :func:`fp8_cache_bytes` replaces their
-compute-dtype bytes with the cached form's. The FP8 weight copies themselves are not planned.
+``train.fp8`` and ``memory.fp8_cache``, FP8 linears keep their inputs in FP8 (``fmoe.plan_fp8``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from fmoe import pipeline
 from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
+from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes, fp8_cached_region_bytes
 from fmoe.schedules.table import Schedule
-from fmoe.stages.fp8_mode import cached_input_bytes
 from fmoe.stages.spec import Model, Stage
 
 __all__ = [
     "ACTIVATION_FORMULAS",
     "ChunkMemory",
-    "Fp8Caching",
     "MicroBatch",
     "backward_transient_bytes",
     "chunk_activation_bytes",
     "expert_weight_grad_bytes",
-    "fp8_cache_bytes",
     "local_step_peaks",
     "moe_stages",
     "plan_stage_mode",
@@ -64,26 +59,6 @@ class MicroBatch:
     @property
     def tokens(self) -> int:
         return self.sequences * self.seq_local
-
-
-@dataclass(frozen=True)
-class Fp8Caching:
-    """Which FP8 linears of a step keep their inputs in FP8 (``fp8_training``'s cache_inputs /
-    cache_expert_inputs, as ``parallel_step`` opens it): ``dense`` (``linear``), ``experts``
-    (``grouped_linear``); ``local_experts``: a rank's experts (the cached form pads each one)."""
-
-    dense: bool
-    experts: bool
-    local_experts: int
-
-    @staticmethod
-    def of(
-        fp8: bool, fp8_dense: bool, policy: MemoryPolicy, pp: int, microbatches: int, local_experts: int
-    ) -> Fp8Caching | None:
-        """The caching of a step (``train.fp8``, ``train.fp8_dense``, the ``[memory]`` policy); None: none."""
-        if not (fp8 and policy.fp8_cache):
-            return None
-        return Fp8Caching(fp8_dense, policy.fp8_cache_experts(pp, microbatches), local_experts)
 
 
 # the families whose per-stage activation formulas (below) this module has, and the formulas each
@@ -216,80 +191,6 @@ def _selective_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch) 
     return 0
 
 
-class _Fp8Input(NamedTuple):
-    """An input an FP8 stage may cache: [rows, width]; eligible: every weight reading it has dims
-    that are multiples of 128 (it runs in FP8); expert: an expert GEMM's (grouped by expert); region:
-    the output of a recomputable region, which "selective" drops when it is kept in the compute dtype."""
-
-    rows: int
-    width: int
-    eligible: bool
-    expert: bool = False
-    region: bool = False
-
-
-def _fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, device: str) -> list[_Fp8Input]:
-    """The inputs a stage's FP8 linears read that are made inside it and saved by nothing else (per
-    ``fmoe.stages``' code): a linear on the stage's input or on a view caches nothing
-    (``fmoe.stages.fp8_mode``)."""
-    ok = lambda *dims: all(d % 128 == 0 for d in dims)  # noqa: E731
-    h, k = cfg.hidden_size, getattr(cfg, "num_experts_per_tok", 1)
-    if role == "attn" and family == "deepseek_v2":  # q_proj / q_a_proj share x with kv_a: not cached
-        nh, dv, lora = cfg.num_attention_heads, cfg.v_head_dim, cfg.kv_lora_rank
-        out = [_Fp8Input(t, lora, ok(lora, nh * (cfg.qk_nope_head_dim + dv)))]
-        if cfg.q_lora_rank:
-            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-            out.append(_Fp8Input(t, cfg.q_lora_rank, ok(cfg.q_lora_rank, nh * qk)))
-        # o_proj reads a copy of the math kernel's output (CPU); CUDA's memory-efficient kernel saves
-        # its output laid out [b, s, heads, d], which o_proj reads as a view: not cached
-        return [*out, _Fp8Input(t, nh * dv, ok(h, nh * dv) and device == "cpu")]
-    if role == "attn":  # q, k, v share the normed hidden state; o reads the attention's output: a
-        # view of flash attention's (saved) output (Qwen3), a copy of the sinks' matmul (gpt-oss)
-        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        d = cfg.head_dim or h // heads
-        o = _Fp8Input(t, heads * d, ok(h, heads * d) and family == "gpt_oss")
-        return [_Fp8Input(t, h, ok(h, heads * d, kv * d), region=True), o]
-    if role != "mlp":
-        return []
-    if not moe:  # gate and up read the stage's input; down the SwiGLU product
-        return [_Fp8Input(t, cfg.intermediate_size, ok(h, cfg.intermediate_size))]
-    inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
-    # the experts' down reads the SwiGLU output (gate_up reads the stage's input)
-    out = [_Fp8Input(t * k, inter, ok(h, inter), expert=True, region=family != "gpt_oss")]
-    shared = (cfg.n_shared_experts or 0) if family == "deepseek_v2" else 0
-    if shared:
-        out.append(_Fp8Input(t, shared * inter, ok(h, shared * inter)))
-    return out
-
-
-def _fp8_cached(
-    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, fp8: Fp8Caching | None
-) -> list[_Fp8Input]:
-    if fp8 is None:
-        return []
-    inputs = _fp8_inputs(family, cfg, stage.role, moe, mb.tokens, mb.device)
-    return [
-        i
-        for i in inputs
-        if i.eligible
-        and (fp8.experts if i.expert else fp8.dense)
-        and _cached_bytes(i, fp8) < i.rows * i.width * mb.compute_bytes  # as ``cached_input`` decides
-    ]
-
-
-def _cached_bytes(i: _Fp8Input, fp8: Fp8Caching) -> int:
-    return cached_input_bytes(i.rows, i.width, fp8.local_experts if i.expert else 1)
-
-
-def fp8_cache_bytes(
-    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, fp8: Fp8Caching | None
-) -> float:
-    """What FP8 input caching changes in the bytes one micro-batch's stage saves (<= 0: an input is
-    cached only where its form is smaller): each cached input's form less its compute-dtype bytes."""
-    cached = _fp8_cached(family, cfg, stage, moe, mb, fp8)
-    return sum(_cached_bytes(i, fp8) - i.rows * i.width * mb.compute_bytes for i in cached)
-
-
 def plan_stage_mode(policy: MemoryPolicy, stage: Stage, ep: int) -> str:
     """``MemoryPolicy.stage_mode`` for a plan (no context: ``ep`` > 1 stands for an "ep" group)."""
     if stage.custom is not None:
@@ -315,13 +216,12 @@ def stage_kept_bytes(
     the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
     per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8 input
     caching (:func:`fp8_cache_bytes`; a region output it caches is not "selective"'s to drop)."""
-    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts)
-    saved += fp8_cache_bytes(family, cfg, stage, moe, mb, fp8)
+    cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, mb.device, fp8)
+    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts) + fp8_cache_bytes(*cache)
     if mode == "none":
         return saved, 0.0
     if mode == "selective":
-        cached = sum(i.rows * i.width for i in _fp8_cached(family, cfg, stage, moe, mb, fp8) if i.region)
-        dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb) - cached * mb.compute_bytes)
+        dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb) - fp8_cached_region_bytes(*cache))
         return saved - dropped, dropped
     # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
     # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved

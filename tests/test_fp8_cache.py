@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import random_batch, tiny_config
 
-from fmoe import parallel, plan_activations, recipe, runner, sharding
+from fmoe import offload, parallel, plan_activations, recipe, runner, sharding
 from fmoe import stage as S
 from fmoe.kernels import fp8_quant
 from fmoe.kernels.fp8_quant import Fp8ActT, quantize_act_t
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import build_mesh
-from fmoe.plan_activations import Fp8Caching
+from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes
 from fmoe.stages import primitives, qwen3_moe
 from fmoe.stages.fp8_mode import cached_input_bytes
 from fmoe.stages.primitives import fp8_training, grouped_linear, linear
@@ -101,6 +101,23 @@ def test_fp8_cache_gives_bitwise_the_losses_and_grads_of_no_cache(window, monkey
     dense = 2 * (2 * 1 + 1)
     assert kinds.count("linear") == dense
     assert kinds.count("grouped_linear") == (2 if window == 1 else 0)
+
+
+def test_fp8_cache_under_recompute_and_offload_gives_the_bits_of_none_without_cache(monkeypatch):
+    # the cached forms are saved tensors like any: dropped and remade by "full", kept by
+    # "selective" (not a region's output), copied to the host and back by "offload"
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)  # every saved tensor, the small FP8 ones too
+    cfg = fp8_config()
+    model = qwen3_moe.build(cfg)
+    params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
+    batch = random_batch(cfg, 4, 128)
+    ref = run_step(model, params, batch, 2, MemoryPolicy(merge_window=1), cache=False)
+    for policy in (
+        MemoryPolicy(merge_window=1, recompute="full"),
+        MemoryPolicy(merge_window=1, recompute="selective"),
+        MemoryPolicy(merge_window=1, offload=True),
+    ):
+        assert not differences(run_step(model, params, batch, 2, policy, cache=True), ref), policy
 
 
 def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
@@ -279,10 +296,9 @@ def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage():
         _saved_per_stage(model, params, batch, None),
         _saved_per_stage(model, params, batch, caching),
     )
-    mb = plan_activations.MicroBatch(2, 128, 128, 2, "cpu")
     moe = plan_activations.moe_stages(model)
     planned = [
-        plan_activations.fp8_cache_bytes("qwen3_moe", cfg, st, i in moe, mb, caching)
+        fp8_cache_bytes("qwen3_moe", cfg, st.role, i in moe, 256, 2, "cpu", caching)
         for i, st in enumerate(model.stages)
     ]
     measured = [c - n for c, n in zip(with_cache, without)]
@@ -294,3 +310,32 @@ def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage():
     assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
     assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None
     assert not Fp8Caching.of(True, True, MemoryPolicy(), 1, 4, 4).experts  # window 0 merges 4
+    # the plan's activations of the micro-batch move by as much
+    mb = plan_activations.MicroBatch(2, 128, 128, 2, "cpu")
+    every = range(len(model.stages))
+    kept = [
+        plan_activations.chunk_activation_bytes("qwen3_moe", cfg, model, every, mb, fp8=c)[0]
+        for c in (None, caching)
+    ]
+    assert kept[1] - kept[0] == sum(planned)
+
+
+def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():
+    from pathlib import Path
+
+    from fmoe import plan
+    from fmoe.hf import family as family_module
+
+    r = recipe.load(Path(__file__).resolve().parents[1] / "recipes" / "qwen3_30b_a3b.toml")
+    fam = family_module(r.model_family)
+    model, shapes = fam.build(r.model), fam.param_shapes(r.model)
+    acts = {}
+    for fp8, cache in ((False, True), (True, False), (True, True)):
+        policy = MemoryPolicy(merge_window=1, fp8_cache=cache)
+        fp8_recipe = dataclasses.replace(r, train=dataclasses.replace(r.train, fp8=fp8))
+        acts[fp8, cache] = (
+            plan.plan_layout(fp8_recipe, model, shapes, (1, 1, 1, 8), policy=policy)
+            .stage_terms[0]
+            .activations
+        )
+    assert acts[False, True] == acts[True, False] > acts[True, True]

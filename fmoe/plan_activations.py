@@ -216,7 +216,7 @@ def stage_kept_bytes(
     the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
     per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8 input
     caching (:func:`fp8_cache_bytes`; a region output it caches is not "selective"'s to drop)."""
-    cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, mb.device, fp8)
+    cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, fp8)
     saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts) + fp8_cache_bytes(*cache)
     if mode == "none":
         return saved, 0.0

@@ -41,21 +41,24 @@ class Fp8Caching:
 
 
 class Fp8Input(NamedTuple):
-    """An input an FP8 stage may cache: [rows, width]; eligible: every weight reading it has dims
-    that are multiples of 128 (it runs in FP8); expert: an expert GEMM's (grouped by expert); region:
-    the output of a recomputable region, which "selective" drops when it is kept in the compute dtype."""
+    """An input an FP8 stage may cache: [rows, width]; eligible: a weight reading it has dims that are
+    multiples of 128 (runs in FP8); kept: another reading it does not, and so saves it in the compute
+    dtype anyway (the cached form is then extra); expert: an expert GEMM's (grouped by expert);
+    region: the output of a recomputable region, which "selective" drops where it is kept in the
+    compute dtype."""
 
     rows: int
     width: int
     eligible: bool
+    kept: bool = False
     expert: bool = False
     region: bool = False
 
 
-def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, device: str) -> list[Fp8Input]:
+def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int) -> list[Fp8Input]:
     """The inputs a stage's FP8 linears read that are made inside it and saved by nothing else (per
-    ``fmoe.stages``' code): a linear on the stage's input or on a view caches nothing
-    (``fmoe.stages.fp8_mode``)."""
+    ``fmoe.stages``' code): a linear on the stage's input (or a view of it) or called with
+    ``cache=False`` caches nothing (``fmoe.stages.fp8_mode``)."""
     ok = lambda *dims: all(d % 128 == 0 for d in dims)  # noqa: E731
     h, k = cfg.hidden_size, getattr(cfg, "num_experts_per_tok", 1)
     if role == "attn" and family == "deepseek_v2":  # q_proj / q_a_proj share x with kv_a: not cached
@@ -64,15 +67,14 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, device: str) -> l
         if cfg.q_lora_rank:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             out.append(Fp8Input(t, cfg.q_lora_rank, ok(cfg.q_lora_rank, nh * qk)))
-        # o_proj reads a copy of the math kernel's output (CPU); CUDA's memory-efficient kernel saves
-        # its output laid out [b, s, heads, d], which o_proj reads as a view: not cached
-        return [*out, Fp8Input(t, nh * dv, ok(h, nh * dv) and device == "cpu")]
-    if role == "attn":  # q, k, v share the normed hidden state; o reads the attention's output: a
-        # view of flash attention's (saved) output (Qwen3), a copy of the sinks' matmul (gpt-oss)
+        return out  # o_proj: cache=False (SDPA saves its output)
+    if role == "attn":  # q, k, v share the normed hidden state; o reads the attention's output:
+        # SDPA's, which it saves (Qwen3: cache=False), or a copy of the sinks' matmul (gpt-oss)
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
         d = cfg.head_dim or h // heads
         o = Fp8Input(t, heads * d, ok(h, heads * d) and family == "gpt_oss")
-        return [Fp8Input(t, h, ok(h, heads * d, kv * d), region=True), o]
+        q_fp8, kv_fp8 = ok(h, heads * d), ok(h, kv * d)
+        return [Fp8Input(t, h, q_fp8 or kv_fp8, kept=q_fp8 != kv_fp8, region=True), o]
     if role != "mlp":
         return []
     if not moe:  # gate and up read the stage's input; down the SwiGLU product
@@ -87,7 +89,7 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, device: str) -> l
 
 
 def _cached(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, device: str, fp8: Fp8Caching | None
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None
 ) -> list[Fp8Input]:
     """The inputs of ``fp8_inputs`` the step caches: FP8, of a kind ``fp8`` caches, and smaller
     cached than in the compute dtype (``elem`` bytes an element), as ``fp8_mode.cached_input`` decides."""
@@ -95,7 +97,7 @@ def _cached(
         return []
     return [
         i
-        for i in fp8_inputs(family, cfg, role, moe, tokens, device)
+        for i in fp8_inputs(family, cfg, role, moe, tokens)
         if i.eligible
         and (fp8.experts if i.expert else fp8.dense)
         and _cached_bytes(i, fp8) < i.rows * i.width * elem
@@ -107,19 +109,19 @@ def _cached_bytes(i: Fp8Input, fp8: Fp8Caching) -> int:
 
 
 def fp8_cache_bytes(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, device: str, fp8: Fp8Caching | None
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None
 ) -> int:
     """What FP8 input caching changes in the bytes one micro-batch's stage of ``role`` saves (<= 0:
     an input is cached only where its form is smaller): each cached input's form less its bytes in
     the compute dtype (``elem`` bytes an element). tokens: the micro-batch's tokens on the rank."""
-    cached = _cached(family, cfg, role, moe, tokens, elem, device, fp8)
-    return sum(_cached_bytes(i, fp8) - i.rows * i.width * elem for i in cached)
+    cached = _cached(family, cfg, role, moe, tokens, elem, fp8)
+    return sum(_cached_bytes(i, fp8) - (0 if i.kept else i.rows * i.width * elem) for i in cached)
 
 
 def fp8_cached_region_bytes(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, device: str, fp8: Fp8Caching | None
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None
 ) -> int:
     """Compute-dtype bytes of the recomputable regions' outputs caching replaces: "selective" no
     longer drops them (they are not saved; their cached forms are kept)."""
-    cached = _cached(family, cfg, role, moe, tokens, elem, device, fp8)
-    return sum(i.rows * i.width * elem for i in cached if i.region)
+    cached = _cached(family, cfg, role, moe, tokens, elem, fp8)
+    return sum(i.rows * i.width * elem for i in cached if i.region and not i.kept)

@@ -20,10 +20,11 @@ inputs are cached only where a micro-batch's expert W is not merged with another
 rows, whose 128-token tiles straddle micro-batches, so it cannot read per-micro-batch cached parts
 and keep its bits (``merge_grouped_weight_grads`` refuses them).
 
-Only an input made inside the F and not a view is cached: a stage's input (a leaf) is kept by F for
-B anyway, and a view's base may be saved by the operation that made it (the attention output o_proj
-reads); a linear whose input another operation saves is called with ``linear(..., cache=False)`` (MLA's query projection: its input also
-feeds ``kv_a_proj_with_mqa``, whose 576 rows keep it out of FP8, and so in the compute dtype).
+Only an input made inside the F is cached: a stage's input (a leaf, or a view of one) is kept by F
+for B anyway. A linear whose input another operation saves is called with ``linear(...,
+cache=False)``: o_proj, whose input is a view of the attention's output, which SDPA saves; MLA's
+query projection, whose input also feeds ``kv_a_proj_with_mqa`` (576 rows keep it out of FP8, so it
+saves the input in the compute dtype).
 
 Within one F (``input_scope``, opened by ``defer_weight_grads``) an input read by several linears
 (q, k and v of one normed hidden state; gate and up of a dense MLP) is quantized once and its cached
@@ -169,11 +170,12 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
     x: the tensor the stage passed (its identity keys the sharing within an F); x2: its [n, k] rows
     (x itself, or ``x.reshape(-1, k)``); offs: [E] int32 cumulative expert end rows (grouped), or
     None (one group). Not cached outside ``fp8_training``'s caching, when no gradient is being
-    recorded, when ``x`` is a leaf (a stage's input, which F keeps for B anyway), or when it is a view
-    (its base may be saved by the operation that made it: SDPA saves its output, and o_proj reads
-    a view of it); in those cases a cached form would only add bytes. Nor where the cached form is
-    not smaller than x (``cached_input_bytes``: a few rows, or many experts' tiles padded)."""
-    if kind not in _CACHED.get() or not torch.is_grad_enabled() or x.grad_fn is None or x._base is not None:
+    recorded, when ``x`` is a leaf or a view of a leaf that requires grad (a stage's input, which F
+    keeps for B anyway: a cached form would only add bytes), or where the cached form is not smaller
+    than x (``cached_input_bytes``: a few rows, or many experts' tiles padded)."""
+    base = x._base
+    stage_input = base is not None and base.requires_grad and base.grad_fn is None
+    if kind not in _CACHED.get() or not torch.is_grad_enabled() or x.grad_fn is None or stage_input:
         return None
     experts = 1 if offs is None else offs.numel()
     if cached_input_bytes(x2.shape[0], x2.shape[1], experts) >= x2.numel() * x2.element_size():

@@ -283,41 +283,65 @@ def _saved_per_stage(model, params, batch, cache: Fp8Caching | None) -> list[int
     return out
 
 
-def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage():
+# FP8-sized configs of each family the plan has formulas for: dims multiples of 128, 4 experts, top-2
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(vocab_size=264, hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+                      head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                      intermediate_size=128, num_hidden_layers=2, mlp_only_layers=[0]),
+    # kv_a_proj_with_mqa: 128 + 64 rows, not FP8 (as the real models' 576)
+    "deepseek_v2": dict(vocab_size=264, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=2, kv_lora_rank=128, qk_nope_head_dim=64,
+                        qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4, n_shared_experts=2,
+                        num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy"),
+    "gpt_oss": dict(vocab_size=264, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                    num_experts_per_tok=2, layer_types=["full_attention"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage(family):
     # each stage's measured change of saved bytes equals the plan's fp8_cache_bytes, to the byte;
-    # 4 experts on the rank, window 1 (the experts' inputs cached too)
-    cfg = fp8_config()
-    model = qwen3_moe.build(cfg)
+    # the rank's 4 experts at window 1 (their inputs cached too)
+    built = recipe.from_dict({"model": {"family": family, **FAMILY_CONFIGS[family]}})
+    cfg = built.model
+    model = recipe.model_family(family).build(cfg)
     params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
     batch = runner.with_positions(random_batch(cfg, 2, 128))
-    caching = Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, cfg.num_experts)
+    caching = Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, model.num_experts)
     assert caching == Fp8Caching(dense=True, experts=True, local_experts=4)
-    without, with_cache = (
-        _saved_per_stage(model, params, batch, None),
-        _saved_per_stage(model, params, batch, caching),
-    )
+    without, with_cache = (_saved_per_stage(model, params, batch, c) for c in (None, caching))
+    formulas = plan_activations.ACTIVATION_FORMULAS[family]
     moe = plan_activations.moe_stages(model)
     planned = [
-        fp8_cache_bytes("qwen3_moe", cfg, st.role, i in moe, 256, 2, "cpu", caching)
+        fp8_cache_bytes(formulas, cfg, st.role, i in moe, 256, 2, caching)
         for i, st in enumerate(model.stages)
     ]
     measured = [c - n for c, n in zip(with_cache, without)]
     assert measured == planned, [(st.name, m, p) for st, m, p in zip(model.stages, measured, planned)]
-    # about half the bytes of the bf16 inputs it replaces (q/k/v's, the dense down's), less with
-    # the experts' padded tiles: 512 rows over 4 experts, 7 tiles of 128
-    dense = (256 * 128 + 4 * 128 * 2 + 8) - 2 * 256 * 128
-    assert planned == [0, dense, dense, 0, dense, 0, 7 * 128 * 132 + 32 - 2 * 512 * 128, 0, 0, 0]
-    assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
-    assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None
-    assert not Fp8Caching.of(True, True, MemoryPolicy(), 1, 4, 4).experts  # window 0 merges 4
+    assert sum(planned) < 0
     # the plan's activations of the micro-batch move by as much
     mb = plan_activations.MicroBatch(2, 128, 128, 2, "cpu")
     every = range(len(model.stages))
     kept = [
-        plan_activations.chunk_activation_bytes("qwen3_moe", cfg, model, every, mb, fp8=c)[0]
+        plan_activations.chunk_activation_bytes(formulas, cfg, model, every, mb, fp8=c)[0]
         for c in (None, caching)
     ]
     assert kept[1] - kept[0] == sum(planned)
+
+
+def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
+    cfg = recipe.from_dict({"model": {"family": "qwen3_moe", **FAMILY_CONFIGS["qwen3_moe"]}}).model
+    caching = Fp8Caching(dense=True, experts=True, local_experts=4)
+    # q/k/v's input [256, 128]: 2 tiles of 128 tokens, 1 byte an element and a float32 scale a tile
+    dense = (256 * 128 + 4 * 128 * 2 + 8) - 2 * 256 * 128
+    assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching) == dense
+    # the experts' down input [512, 128] over 4 experts: 512 / 128 + 3 = 7 tiles
+    experts = 7 * 128 * 132 + 8 * 4 - 2 * 512 * 128
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == experts
+    assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
+    assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None
+    assert not Fp8Caching.of(True, True, MemoryPolicy(), 1, 4, 4).experts  # window 0 merges 4
 
 
 def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():

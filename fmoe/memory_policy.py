@@ -29,7 +29,8 @@ offload: the saved tensors of every stage that is not recomputed go to (pinned) 
 F and come back when B needs them (``fmoe.offload``).
 fp8_cache (only with ``train.fp8``; no effect without it): each FP8 linear keeps its input in the
 FP8 form its weight gradient reads (quantized along tokens, with its scales: ~0.52 of the bf16
-bytes) instead of in the compute dtype (``fmoe.stages.fp8_mode``); on by default. The expert
+bytes) instead of in the compute dtype, where that saves bytes (not a stage's input, which F keeps
+anyway; ``fmoe.stages.fp8_mode`` says which); on by default. The expert
 GEMMs' inputs are cached only where no merge window holds two micro-batches
 (``fp8_cache_experts``: pp > 1, one micro-batch, or merge_window = 1): a merged W quantizes the
 micro-batches' rows together, in 128-token tiles that straddle them, so per-micro-batch cached parts

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fmoe import pipeline
 from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
-from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes, fp8_cached_region_bytes
+from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -215,14 +215,16 @@ def stage_kept_bytes(
     and SwiGLUs' outputs, which B remakes; "offload": the carry in stays (the saved tensors go to
     the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
     per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8 input
-    caching (:func:`fp8_cache_bytes`; a region output it caches is not "selective"'s to drop)."""
+    caching (:func:`fp8_cache_bytes`; not of the regions "selective" recomputes)."""
+    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts)
     cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, fp8)
-    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts) + fp8_cache_bytes(*cache)
     if mode == "none":
-        return saved, 0.0
+        return saved + fp8_cache_bytes(*cache), 0.0
     if mode == "selective":
-        dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb) - fp8_cached_region_bytes(*cache))
+        saved += fp8_cache_bytes(*cache, selective=True)
+        dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb))
         return saved - dropped, dropped
+    saved += fp8_cache_bytes(*cache)
     # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
     # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved
     carry = stage_input_bytes(family, cfg, stage, moe, mb)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages.fp8_mode import cached_input_bytes
 
-__all__ = ["Fp8Caching", "Fp8Input", "fp8_cache_bytes", "fp8_cached_region_bytes", "fp8_inputs"]
+__all__ = ["Fp8Caching", "Fp8Input", "fp8_cache_bytes", "fp8_inputs"]
 
 
 @dataclass(frozen=True)
@@ -89,10 +89,11 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int) -> list[Fp8Input]
 
 
 def _cached(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None, selective: bool
 ) -> list[Fp8Input]:
-    """The inputs of ``fp8_inputs`` the step caches: FP8, of a kind ``fp8`` caches, and smaller
-    cached than in the compute dtype (``elem`` bytes an element), as ``fp8_mode.cached_input`` decides."""
+    """The inputs of ``fp8_inputs`` the step caches, as ``fp8_mode.cached_input`` decides: FP8, of a
+    kind ``fp8`` caches, smaller cached than in the compute dtype (``elem`` bytes an element), and
+    not a region's output the stage recomputes (``selective``)."""
     if fp8 is None:
         return []
     return [
@@ -101,6 +102,7 @@ def _cached(
         if i.eligible
         and (fp8.experts if i.expert else fp8.dense)
         and _cached_bytes(i, fp8) < i.rows * i.width * elem
+        and not (selective and i.region)
     ]
 
 
@@ -109,19 +111,13 @@ def _cached_bytes(i: Fp8Input, fp8: Fp8Caching) -> int:
 
 
 def fp8_cache_bytes(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None
-) -> int:
-    """What FP8 input caching changes in the bytes one micro-batch's stage of ``role`` saves (<= 0:
-    an input is cached only where its form is smaller): each cached input's form less its bytes in
-    the compute dtype (``elem`` bytes an element). tokens: the micro-batch's tokens on the rank."""
-    cached = _cached(family, cfg, role, moe, tokens, elem, fp8)
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None,
+    selective: bool = False,
+) -> int:  # fmt: skip
+    """What FP8 input caching changes in the bytes one micro-batch's stage of ``role`` saves: each
+    cached input's form less its bytes in the compute dtype (``elem`` bytes an element; none where
+    another reader keeps it: the form is then extra). tokens: the micro-batch's tokens on the rank;
+    selective: the stage runs under selective recomputation, whose regions' outputs are not cached
+    (it keeps nothing of them)."""
+    cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective)
     return sum(_cached_bytes(i, fp8) - (0 if i.kept else i.rows * i.width * elem) for i in cached)
-
-
-def fp8_cached_region_bytes(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None
-) -> int:
-    """Compute-dtype bytes of the recomputable regions' outputs caching replaces: "selective" no
-    longer drops them (they are not saved; their cached forms are kept)."""
-    cached = _cached(family, cfg, role, moe, tokens, elem, fp8)
-    return sum(i.rows * i.width * elem for i in cached if i.region and not i.kept)

@@ -198,7 +198,8 @@ def mla_attention(cfg: DeepseekV2Config, p: Params, x: Tensor, positions: Tensor
     k = torch.cat((k_nope, k_pe.expand(b, nh, s, dr)), dim=-1)
     # SDPA: query/key and value head dims differ (MLA), which flash_attn does not take
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)
-    # SDPA saves its output, which o_proj reads (a view of it, or a copy): no FP8 copy of it
+    # SDPA's fused kernels save their output, which o_proj reads as a view: no FP8 copy of it (the
+    # CPU math path reads a copy, left in the compute dtype too)
     return linear(out.transpose(1, 2).reshape(b, s, nh * dv), p["self_attn.o_proj.weight"], cache=False)
 
 

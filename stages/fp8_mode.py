@@ -21,7 +21,8 @@ rows, whose 128-token tiles straddle micro-batches, so it cannot read per-micro-
 and keep its bits (``merge_grouped_weight_grads`` refuses them).
 
 Only an input made inside the F is cached: a stage's input (a leaf, or a view of one) is kept by F
-for B anyway. A linear whose input another operation saves is called with ``linear(...,
+for B anyway; nor is the output of a block selective recomputation remakes in B (a norm's, a SwiGLU's:
+it keeps no bytes of them). A linear whose input another operation saves is called with ``linear(...,
 cache=False)``: o_proj, whose input is a view of the attention's output, which SDPA saves; MLA's
 query projection, whose input also feeds ``kv_a_proj_with_mqa`` (576 rows keep it out of FP8, so it
 saves the input in the compute dtype).
@@ -42,6 +43,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from fmoe.stages.recompute import is_recomputed
 
 if TYPE_CHECKING:
     from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT
@@ -171,11 +174,14 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
     (x itself, or ``x.reshape(-1, k)``); offs: [E] int32 cumulative expert end rows (grouped), or
     None (one group). Not cached outside ``fp8_training``'s caching, when no gradient is being
     recorded, when ``x`` is a leaf or a view of a leaf that requires grad (a stage's input, which F
-    keeps for B anyway: a cached form would only add bytes), or where the cached form is not smaller
-    than x (``cached_input_bytes``: a few rows, or many experts' tiles padded)."""
+    keeps for B anyway: a cached form would only add bytes), when selective recomputation remakes it
+    in B (``recompute.is_recomputed``: nothing of it is kept), or where the cached form is not
+    smaller than x (``cached_input_bytes``: a few rows, or many experts' tiles padded)."""
     base = x._base
     stage_input = base is not None and base.requires_grad and base.grad_fn is None
     if kind not in _CACHED.get() or not torch.is_grad_enabled() or x.grad_fn is None or stage_input:
+        return None
+    if is_recomputed(x):  # selective recomputation keeps no bytes of it at all
         return None
     experts = 1 if offs is None else offs.numel()
     if cached_input_bytes(x2.shape[0], x2.shape[1], experts) >= x2.numel() * x2.element_size():

@@ -13,6 +13,9 @@ Which weights are deferred: a parameter of the stage (a leaf of F's params dict)
 (``w_q, w_k = p["qk"].chunk(2)``, ``p["gate_up"][:, :inter]``, ``p["w"].t()``): W adds the GEMM into
 the view's slice of the parameter's gradient. Any other weight (``p["w"] * 2``, ``p["w"].to(bf16)``,
 an input of the stage) gets its gradient in B through autograd, as a plain matmul would.
+
+FP8: inside ``fp8_training`` (defined in ``fmoe.stages.fp8_mode`` with the step's FP8 weights and
+input cache, re-exported here, where its users import it) the same calls run as FP8 GEMMs.
 """
 
 from __future__ import annotations

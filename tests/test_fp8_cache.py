@@ -34,9 +34,10 @@ def torch_kernels(monkeypatch):
 
 
 def fp8_config(**overrides):
-    # dims multiples of 128 (the FP8 GEMMs' blocks); one dense layer and one MoE layer
+    # dims multiples of 128 (the FP8 GEMMs' blocks); one dense layer and one MoE layer of 2 experts
+    # (at 128 tokens a micro-batch the experts' cached form, 3 tiles, is smaller than their bf16)
     fields = dict(vocab_size=264, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=128,
+                  num_experts=2, num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=128,
                   num_hidden_layers=2, mlp_only_layers=(0,))  # fmt: skip
     fields.update(overrides)
     return tiny_config(**fields)
@@ -71,7 +72,7 @@ def run_step(model, params, batch, microbatches: int, policy: MemoryPolicy, cach
 def test_fp8_cache_with_the_triton_kernels_gives_bitwise_the_step_without(monkeypatch):
     # interpreted Triton is slow: one MoE layer, 128 tokens, one micro-batch (every input cached)
     monkeypatch.setenv("FMOE_KERNEL_BACKEND", "triton")
-    cfg = fp8_config(vocab_size=64, num_hidden_layers=1, mlp_only_layers=(), num_experts=2)
+    cfg = fp8_config(vocab_size=64, num_hidden_layers=1, mlp_only_layers=())
     model = qwen3_moe.build(cfg)
     params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
     batch = random_batch(cfg, 1, 128)
@@ -87,7 +88,7 @@ def test_fp8_cache_gives_bitwise_the_losses_and_grads_of_no_cache(window, monkey
     cfg = fp8_config()
     model = qwen3_moe.build(cfg)
     params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
-    batch = random_batch(cfg, 4, 128)  # 256 tokens a micro-batch: the experts' cached form is smaller
+    batch = random_batch(cfg, 2, 128)
     policy = MemoryPolicy(merge_window=window)
     kinds = cached_kinds(monkeypatch)
     ref = run_step(model, params, batch, 2, policy, cache=False)
@@ -110,14 +111,22 @@ def test_fp8_cache_under_recompute_and_offload_gives_the_bits_of_none_without_ca
     cfg = fp8_config()
     model = qwen3_moe.build(cfg)
     params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
-    batch = random_batch(cfg, 4, 128)
+    batch = random_batch(cfg, 2, 128)
     ref = run_step(model, params, batch, 2, MemoryPolicy(merge_window=1), cache=False)
+    kinds = cached_kinds(monkeypatch)
     for policy in (
         MemoryPolicy(merge_window=1, recompute="full"),
         MemoryPolicy(merge_window=1, recompute="selective"),
         MemoryPolicy(merge_window=1, offload=True),
     ):
+        kinds.clear()
         assert not differences(run_step(model, params, batch, 2, policy, cache=True), ref), policy
+        if policy.recompute == "selective":
+            # the norm output q/k/v read and the experts' SwiGLU output are recomputed in B, not
+            # kept at all: only the dense MLP's down input (a plain product) is cached
+            assert kinds == ["linear"] * 2, kinds
+        else:  # "full": F, then F again before B
+            assert len(kinds) == (2 if policy.recompute == "full" else 1) * 2 * (2 + 1 + 1), kinds
 
 
 def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
@@ -127,7 +136,7 @@ def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
     cfg = fp8_config()
     model = qwen3_moe.build(cfg)
     params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
-    batch = random_batch(cfg, 2, 128)
+    batch = random_batch(cfg, 1, 128)
     policy = MemoryPolicy(merge_window=1)
     ref = run_step(model, params, batch, 1, policy, cache=False)
     real = fp8_quant.quantize_act_t
@@ -148,7 +157,7 @@ def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
     shapes = qwen3_moe.param_shapes(cfg)
     infos = sharding.layout(model, mesh, shapes, list(shapes))
     shards = sharding.shard_canonical(model.init(seed=2), infos, mesh)
-    batch = random_batch(cfg, 4, 128, seed=1)
+    batch = random_batch(cfg, 2, 128, seed=1)
     kinds = cached_kinds(monkeypatch)
     out = {}
     for cache in (True, False):
@@ -339,6 +348,10 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     # the experts' down input [512, 128] over 4 experts: 512 / 128 + 3 = 7 tiles
     experts = 7 * 128 * 132 + 8 * 4 - 2 * 512 * 128
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == experts
+    # under selective recomputation the regions' outputs (the norm's, the SwiGLU's) are not cached
+    assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching, selective=True) == 0
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == 0
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", False, 256, 2, caching, selective=True) < 0
     assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
     assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None
     assert not Fp8Caching.of(True, True, MemoryPolicy(), 1, 4, 4).experts  # window 0 merges 4

@@ -192,12 +192,17 @@ def test_a_cached_fp8_linear_saves_about_half_the_bytes_of_its_bf16_input():
     xe = torch.randn(512, 128, generator=gen).to(torch.bfloat16).requires_grad_()
     we = (torch.randn(4, 256, 128, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
     offs = torch.tensor([100, 100, 356, 512], dtype=torch.int32)  # an empty expert, ragged ones
+    offs8 = torch.tensor([16 * (i + 1) for i in range(8)], dtype=torch.int32)
+    we8 = (torch.randn(8, 256, 128, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
     for cache in (False, True):
         with fp8_training(True, cache_inputs=cache, cache_expert_inputs=cache):
             # inputs made in F (x * 1): a leaf - a stage's input, kept anyway - is never cached
             dense = saved_bytes(lambda: linear(x * 1, w))
             grouped = saved_bytes(lambda: grouped_linear(xe * 1, we, offs))
             assert saved_bytes(lambda: linear(x, w)) == 2 * x.numel()
+            # 128 rows over 8 experts: 1 + 7 tiles, larger cached than in bf16: kept in bf16
+            few = saved_bytes(lambda: grouped_linear(xe[:128] * 1, we8, offs8))
+            assert few == 2 * 128 * 128 + offs8.nbytes
         if not cache:
             assert dense == 2 * x.numel() and grouped == 2 * xe.numel() + offs.nbytes
             continue

@@ -1,7 +1,8 @@
 """FP8 activation caching (``fmoe.stages.fp8_mode``, ``memory.fp8_cache``): an FP8 linear keeps its
-input in the FP8 form its weight gradient reads. The step's bits are those without caching, the
-bytes F saves are about half, the bf16 input is no longer held, and a merge of cached parts (which
-could not keep the bits) is refused."""
+input in the FP8 form its weight gradient reads. The step's bits are those without caching (every
+recompute / offload policy too), the bytes F saves are about half, the bf16 input is no longer
+held, a merge of cached parts (which could not keep the bits) is refused, and the memory plan's
+FP8 term (``fmoe.plan_fp8``) is each stage's measured change, to the byte."""
 
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ fused AdamW) for --steps steps after --warmup steps:
   eager: an ordinary nn.Module with autograd, written as a user would (SDPA, torch._grouped_mm,
          argsort permutation, parameters in bf16, torch.optim.AdamW(fused=True) on them) - so its
          optimizer moves half the bytes of fmoe's fp32-master step;
-  fmoe_fp8: fmoe with FP8 GEMMs for the attention projections and experts (--sides to pick).
+  fmoe_fp8: fmoe with FP8 GEMMs for the attention projections and experts (--sides to pick), their
+         inputs kept for W in FP8 (memory.fp8_cache; the experts' only at --merge-window 1, see
+         fmoe.memory_policy; fmoe_fp8_nocache keeps them in bf16).
 Every fmoe side runs under the memory policy of --recompute, --recompute-roles and --merge-window
 (``fmoe.memory_policy``; default: none, all roles, the whole step), except the fmoe_recompute_* and
 fmoe_window1 sides, which set their own, so one call measures the policies side by side:
@@ -193,6 +195,9 @@ FMOE_VARIANTS = {
         "memory": MemoryPolicy(merge_window=1, recompute="selective"),
     },
     "fmoe_offload_window1": {"memory": MemoryPolicy(merge_window=1, offload=True)},
+    # FP8 input caching (memory.fp8_cache, on by default): off, and with experts too (window 1)
+    "fmoe_fp8_nocache": {"fp8": True, "memory": MemoryPolicy(fp8_cache=False)},
+    "fmoe_fp8_window1": {"fp8": True, "memory": MemoryPolicy(merge_window=1)},
 }
 
 
@@ -301,12 +306,17 @@ def fmoe_step_fn(
     def pure_step(p, opt, tokens, labels, micro_batch: int):
         compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
         unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
-        with fp8_training(fp8, dense=fp8_dense), unfused:
+        microbatches, policy = tokens.shape[0] // micro_batch, memory or MemoryPolicy()
+        fp8_mode = fp8_training(  # with the policy's FP8 input caching, as fmoe train
+            fp8, dense=fp8_dense, cache_inputs=policy.fp8_cache,
+            cache_expert_inputs=policy.fp8_cache_experts(1, microbatches),
+        )  # fmt: skip
+        with fp8_mode, unfused:
             out = runner.run_sequential(
                 model,
                 compute,
                 {"tokens": tokens, "labels": labels},
-                tokens.shape[0] // micro_batch,
+                microbatches,
                 merge_expert_grads=merge_expert_grads,
                 memory=memory,
             )

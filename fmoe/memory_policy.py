@@ -5,6 +5,7 @@
     recompute = "full"         # "none" | "full" | "selective"
     recompute_roles = ["mlp"]  # the stage roles it applies to (empty: every role)
     offload = true             # the other stages' saved tensors wait in host memory (default false)
+    fp8_cache = true           # with train.fp8: FP8 linears keep their inputs in FP8 (default true)
     policy = "explicit"        # "auto" | "explicit": who picks the four above (see below)
 
 policy: "auto" (a recipe's default when it sets none of merge_window, recompute, recompute_roles,
@@ -34,7 +35,16 @@ recompute, per stage (``stage_mode``, carried out by ``fmoe.stage.forward``):
   (every GEMM input that is not such an output) is kept.
 offload: the saved tensors of every stage that is not recomputed go to (pinned) host memory after
 F and come back when B needs them (``fmoe.offload``).
-Losses and gradients are bitwise those of "none": the same operations on the same values.
+fp8_cache (only with ``train.fp8``; no effect without it): each FP8 linear keeps its input in the
+FP8 form its weight gradient reads (quantized along tokens, with its scales: ~0.52 of the bf16
+bytes) instead of in the compute dtype, where that saves bytes (not a stage's input, which F keeps
+anyway; ``fmoe.stages.fp8_mode`` says which); on by default. The expert
+GEMMs' inputs are cached only where no merge window holds two micro-batches
+(``fp8_cache_experts``: pp > 1, one micro-batch, or merge_window = 1): a merged W quantizes the
+micro-batches' rows together, in 128-token tiles that straddle them, so per-micro-batch cached parts
+would change its bits. Elsewhere they stay in the compute dtype.
+Losses and gradients are bitwise those of "none" (and of fp8_cache = false): the same operations
+on the same values.
 Under expert parallelism (an "ep" group in the stage's context) the "dispatch" and "combine" stages
 are never recomputed: they hold the all-to-all exchanges, which a recompute must not repeat. Every
 rank of a group runs the same policy, so the collectives a recompute does repeat (the context-
@@ -97,6 +107,7 @@ class MemoryPolicy:
     recompute_roles: tuple[str, ...] = ()
     offload: bool = False
     policy: str = "explicit"
+    fp8_cache: bool = True
 
     def __post_init__(self) -> None:
         from fmoe.stages.spec import ROLES  # torch: only once a policy is built
@@ -129,6 +140,8 @@ class MemoryPolicy:
             raise ValueError(
                 f"MemoryPolicy.recompute_roles: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})"
             )
+        if not isinstance(self.fp8_cache, bool):
+            raise ValueError(f"MemoryPolicy.fp8_cache must be true or false, got {self.fp8_cache!r}")
         if self.recompute_roles and self.recompute == "none":  # a setting that would do nothing
             raise ValueError(
                 "MemoryPolicy.recompute_roles is set but MemoryPolicy.recompute is 'none': set recompute "
@@ -154,3 +167,9 @@ class MemoryPolicy:
         """Whether ``microbatch`` is the last of its merge window (its B runs the window's merged W)."""
         last = microbatch == num_microbatches - 1
         return last or (self.merge_window > 0 and (microbatch + 1) % self.merge_window == 0)
+
+    def fp8_cache_experts(self, pp: int, num_microbatches: int) -> bool:
+        """Whether a step of ``num_microbatches`` at pipeline size ``pp`` caches its expert GEMMs'
+        inputs in FP8: ``fp8_cache``, and no micro-batch's expert W is merged with another's (pp > 1
+        runs W per micro-batch; at pp = 1 a window of ``merge_window`` != 1 holds several)."""
+        return self.fp8_cache and (pp > 1 or num_microbatches == 1 or self.merge_window == 1)

@@ -187,7 +187,11 @@ def parallel_step(
         grad_shards = gathers.finish(result.grads)
     else:
         params = gather_params(shards, infos, mesh, dtype, uncast=model.buffers)
-        with fp8_training(fp8, dense=fp8_dense):
+        policy = memory or MemoryPolicy()  # its FP8 input caching (``memory.fp8_cache``)
+        with fp8_training(
+            fp8, dense=fp8_dense, cache_inputs=policy.fp8_cache,
+            cache_expert_inputs=policy.fp8_cache_experts(mesh.pp, num_microbatches),
+        ):  # fmt: skip
             result = run(params, hooks=None)
         del params
         # Sums over ranks and the 1/ranks scale run in fp32. A gradient that nothing reduces or

@@ -40,6 +40,7 @@ from fmoe.gather_plan import per_unit
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
 from fmoe.plan_activations import ACTIVATION_FORMULAS, FP32, MicroBatch, rank_activation_peaks
+from fmoe.plan_fp8 import Fp8Caching
 from fmoe.schedules.generators import generate
 from fmoe.schedules.simulator import simulate
 from fmoe.schedules.table import Schedule, ScheduleError
@@ -318,18 +319,11 @@ def _rank_terms(
     family = ACTIVATION_FORMULAS.get(recipe.model_family)
     acts = acts_and_grads = 0
     if family is not None:
+        t, pp = recipe.train, 1 if table is None else table.pp
+        fp8 = Fp8Caching.of(t.fp8, t.fp8_dense, policy, pp, t.microbatches, model.num_experts // ep)
         acts, acts_and_grads = rank_activation_peaks(
-            family,
-            recipe.model,
-            model,
-            table,
-            s.pp_rank,
-            mb,
-            s.grad_bytes,
-            recipe.train.microbatches,
-            policy,
-            ep,
-        )
+            family, recipe.model, model, table, s.pp_rank, mb, s.grad_bytes, t.microbatches, policy, ep, fp8
+        )  # fmt: skip
     if working_set is WorkingSet.STEP:
         peak = s.params + s.optimizer + max(s.gathered + acts_and_grads, s.grads)
     else:

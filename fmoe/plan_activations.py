@@ -8,7 +8,8 @@ here (``ACTIVATION_FORMULAS``): the one place a new family adds a line. A rank's
 schedule's rows walked in order (:func:`pipeline_walk`, pp > 1) or the micro-batch executor's order
 (:func:`local_step_peaks`, pp = 1); :func:`rank_activation_peaks` picks the one a rank runs.
 The recipe's ``[memory]`` policy (``fmoe.memory_policy``) changes what a stage keeps between F and
-B (:func:`stage_kept_bytes`) and how long expert W operands live (``merge_window``).
+B (:func:`stage_kept_bytes`) and how long expert W operands live (``merge_window``). With
+``train.fp8`` and ``memory.fp8_cache``, FP8 linears keep their inputs in FP8 (``fmoe.plan_fp8``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from fmoe import pipeline
 from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
+from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -204,20 +206,25 @@ def plan_stage_mode(policy: MemoryPolicy, stage: Stage, ep: int) -> str:
 
 
 def stage_kept_bytes(
-    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int, mode: str
-) -> tuple[float, float]:
+    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int, mode: str,
+    fp8: Fp8Caching | None = None,
+) -> tuple[float, float]:  # fmt: skip
     """(bytes one micro-batch's stage keeps from its F to its B, bytes its B adds while it runs)
     under ``mode`` (``plan_stage_mode``). "none": what F saves, nothing added; "full": the carry in,
     and at B the whole saved set again (the recompute); "selective": F's saved bytes less the norms'
     and SwiGLUs' outputs, which B remakes; "offload": the carry in stays (the saved tensors go to
     the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
-    per stage), and at B the stage's saved set is back on the device."""
+    per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8 input
+    caching (:func:`fp8_cache_bytes`; not of the regions "selective" recomputes)."""
     saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts)
+    cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, fp8)
     if mode == "none":
-        return saved, 0.0
+        return saved + fp8_cache_bytes(*cache), 0.0
     if mode == "selective":
+        saved += fp8_cache_bytes(*cache, selective=True)
         dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb))
         return saved - dropped, dropped
+    saved += fp8_cache_bytes(*cache)
     # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
     # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved
     carry = stage_input_bytes(family, cfg, stage, moe, mb)
@@ -244,17 +251,18 @@ def moe_stages(model: Model) -> set[int]:
 
 def chunk_activation_bytes(
     family: str, cfg, model: Model, stage_indices: Iterable[int], mb: MicroBatch,
-    policy: MemoryPolicy | None = None, ep: int = 1,
+    policy: MemoryPolicy | None = None, ep: int = 1, fp8: Fp8Caching | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """(activation bytes one micro-batch keeps through the given stages from F to B under ``policy``
-    (None: recompute none, no offload), the most a single stage's B adds: its recompute or reload)."""
+    (None: recompute none, no offload) and ``fp8`` (the FP8 input caching; None: none), the most a
+    single stage's B adds: its recompute or reload)."""
     moe = moe_stages(model)
     policy = policy or MemoryPolicy()
     kept = extra = 0.0
     for i in stage_indices:
         st = model.stages[i]
         mode = plan_stage_mode(policy, st, ep)
-        k, x = stage_kept_bytes(family, cfg, st, i in moe, mb, model.num_experts, mode)
+        k, x = stage_kept_bytes(family, cfg, st, i in moe, mb, model.num_experts, mode, fp8)
         kept, extra = kept + k, max(extra, x)
     return int(kept), int(extra)
 
@@ -329,11 +337,13 @@ def local_step_peaks(
 def rank_activation_peaks(
     family: str, cfg, model: Model, table: Schedule | None, rank: int, mb: MicroBatch,
     grad_bytes: Mapping[str, int], microbatches: int, policy: MemoryPolicy | None = None, ep: int = 1,
+    fp8: Fp8Caching | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """(most activation bytes pipeline rank ``rank`` holds at once, most activation plus gradient
     bytes) over one step. family: a key of ``ACTIVATION_FORMULAS``; table: the schedule (None:
     pp = 1); grad_bytes: {name: bytes of its full gradient} of the rank's parameters; policy: the
-    recipe's ``[memory]`` (None: the defaults); ep: the expert-parallel size (exchanges not recomputed)."""
+    recipe's ``[memory]`` (None: the defaults); ep: the expert-parallel size (exchanges not recomputed);
+    fp8: the step's FP8 input caching (``Fp8Caching.of``; None: none)."""
     policy = policy or MemoryPolicy()
     if table is not None:
         smap = pipeline.schedule_stage_map(model, table)
@@ -341,14 +351,14 @@ def rank_activation_peaks(
         for c in range(table.chunks):
             idx = smap[(rank, c)]
             names = {n for i in idx for n in model.stages[i].params}
-            kept, extra = chunk_activation_bytes(family, cfg, model, idx, mb, policy, ep)
+            kept, extra = chunk_activation_bytes(family, cfg, model, idx, mb, policy, ep, fp8)
             chunks.append(ChunkMemory(kept, backward_transient_bytes(family, cfg, model, idx, mb) + extra,
                                       sum(grad_bytes[n] for n in names)))  # fmt: skip
         return pipeline_walk(table, rank, chunks)
     every = range(len(model.stages))
     moe = moe_stages(model)  # once: asked per layer it made the plan quadratic
     moe_layers = sum(1 for u in pipeline.layer_units(model)[1] if set(u) & moe)
-    kept, extra = chunk_activation_bytes(family, cfg, model, every, mb, policy, ep)
+    kept, extra = chunk_activation_bytes(family, cfg, model, every, mb, policy, ep, fp8)
     return local_step_peaks(
         kept,
         backward_transient_bytes(family, cfg, model, every, mb) + extra,

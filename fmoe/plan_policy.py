@@ -43,13 +43,14 @@ class PolicyChoice:
         return self.plan.policy
 
 
-def candidates(pp: int, microbatches: int) -> list[MemoryPolicy]:
+def candidates(pp: int, microbatches: int, fp8_cache: bool = True) -> list[MemoryPolicy]:
     """The explicit policies "auto" picks among, the ones expected cheaper first (offload last,
     then recompute none, selective, full, then the window): a tie goes to the earlier. A window is
-    tried at pp = 1 only and below the step's micro-batches (a window of all of them is window 0)."""
+    tried at pp = 1 only and below the step's micro-batches (a window of all of them is window 0).
+    fp8_cache: the recipe's ``memory.fp8_cache``, which "auto" does not choose and keeps."""
     windows = [w for w in CANDIDATE_WINDOWS if w == 0 or (pp == 1 and w < microbatches)]
     return [
-        MemoryPolicy(merge_window=w, recompute=recompute, offload=offload)
+        MemoryPolicy(merge_window=w, recompute=recompute, offload=offload, fp8_cache=fp8_cache)
         for offload in (False, True)
         for recompute in ("none", "selective", "full")
         for w in windows
@@ -72,7 +73,7 @@ def choose(
     ``memory``; limit_bytes: the device's (None: no limit, everything fits)."""
     policy = recipe.memory if policy is None else policy
     auto = policy.policy == "auto"
-    tried = candidates(sizes[0], recipe.train.microbatches) if auto else [policy]
+    tried = candidates(sizes[0], recipe.train.microbatches, policy.fp8_cache) if auto else [policy]
     plans = plan_policies(
         recipe, model, shapes, sizes, tried, table=table, device=device, working_set=working_set
     )

@@ -171,11 +171,15 @@ def mla_attention(cfg: DeepseekV2Config, p: Params, x: Tensor, positions: Tensor
     """Multi-head latent attention, causal. x: [b, s, H] (normed), positions [b, s] | [s] -> [b, s, H]."""
     b, s, _ = x.shape
     nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    # x is kept in the compute dtype for kv_a_proj_with_mqa ([kv_lora + rope, H]: 576 rows, not FP8),
+    # so the query projection shares it rather than caching an FP8 copy (``fmoe.stages.fp8_mode``)
     if cfg.q_lora_rank is None:
-        q = linear(x, p["self_attn.q_proj.weight"])
+        q = linear(x, p["self_attn.q_proj.weight"], cache=False)
     else:
         q_latent = layers.rms_norm(
-            linear(x, p["self_attn.q_a_proj.weight"]), p["self_attn.q_a_layernorm.weight"], LATENT_NORM_EPS
+            linear(x, p["self_attn.q_a_proj.weight"], cache=False),
+            p["self_attn.q_a_layernorm.weight"],
+            LATENT_NORM_EPS,
         )
         q = linear(q_latent, p["self_attn.q_b_proj.weight"])
     q_nope, q_pe = q.view(b, s, nh, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
@@ -194,7 +198,9 @@ def mla_attention(cfg: DeepseekV2Config, p: Params, x: Tensor, positions: Tensor
     k = torch.cat((k_nope, k_pe.expand(b, nh, s, dr)), dim=-1)
     # SDPA: query/key and value head dims differ (MLA), which flash_attn does not take
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=cfg.softmax_scale)
-    return linear(out.transpose(1, 2).reshape(b, s, nh * dv), p["self_attn.o_proj.weight"])
+    # SDPA's fused kernels save their output, which o_proj reads as a view: no FP8 copy of it (the
+    # CPU math path reads a copy, left in the compute dtype too)
+    return linear(out.transpose(1, 2).reshape(b, s, nh * dv), p["self_attn.o_proj.weight"], cache=False)
 
 
 def router(cfg: DeepseekV2Config, x: Tensor, gate_w: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -225,7 +225,8 @@ def gqa_attention(
         from fmoe.stages.context_parallel import causal_attention_cp
 
         out = causal_attention_cp(q, k, v, positions, head_dim**-0.5, cp_group)
-    out = linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w)
+    # a view of SDPA's output (laid out [b, s, heads, d]), which SDPA saves: no FP8 copy of it
+    out = linear(out.transpose(1, 2).reshape(b, s, num_heads * head_dim), o_w, cache=False)
     return out if o_b is None else out + o_b
 
 

@@ -13,6 +13,9 @@ Which weights are deferred: a parameter of the stage (a leaf of F's params dict)
 (``w_q, w_k = p["qk"].chunk(2)``, ``p["gate_up"][:, :inter]``, ``p["w"].t()``): W adds the GEMM into
 the view's slice of the parameter's gradient. Any other weight (``p["w"] * 2``, ``p["w"].to(bf16)``,
 an input of the stage) gets its gradient in B through autograd, as a plain matmul would.
+
+FP8: inside ``fp8_training`` (defined in ``fmoe.stages.fp8_mode`` with the step's FP8 weights and
+input cache, re-exported here, where its users import it) the same calls run as FP8 GEMMs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from fmoe.stages import fp8_mode
+from fmoe.stages.fp8_mode import CachedInput, cols_from_saved, cols_to_save, fp8_training
+
+if TYPE_CHECKING:
+    from fmoe.kernels.fp8_quant import Fp8ActT
 
 __all__ = [
     "DenseWeightGrad",
@@ -89,8 +99,6 @@ def non_overlapping(t: Tensor) -> bool:
     return True
 
 
-_FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
-_FP8_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense", default=True)
 _ACTIVE_TAPE: contextvars.ContextVar[WeightGradTape | None] = contextvars.ContextVar(
     "fmoe_weight_grad_tape", default=None
 )
@@ -109,58 +117,14 @@ def _tape_for(weight: Tensor) -> WeightGradTape | None:
 
 @contextlib.contextmanager
 def defer_weight_grads(tape: WeightGradTape) -> Iterator[WeightGradTape]:
-    """Primitives run forward while active record their weight GEMMs on ``tape`` in backward."""
+    """Primitives run forward while active record their weight GEMMs on ``tape`` in backward. One F:
+    an input several FP8 linears read is quantized once when cached (``fp8_mode.input_scope``)."""
     token = _ACTIVE_TAPE.set(tape)
     try:
-        yield tape
+        with fp8_mode.input_scope():
+            yield tape
     finally:
         _ACTIVE_TAPE.reset(token)
-
-
-@contextlib.contextmanager
-def fp8_training(enabled: bool = True, *, dense: bool = True) -> Iterator[None]:
-    """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
-
-    Activations and output gradients are quantized in 1x128 groups, weights in 128x128 blocks, FP32
-    accumulation. A weight is quantized once per block - the training loop opens one per optimizer
-    step - and reused by every microbatch; the cache is keyed by the weight's storage and version, so
-    an in-place update is seen. Layers whose dims are not multiples of 128, and calls made with
-    ``fp8=False`` (router, LM head), stay in the compute dtype. ``dense=False`` keeps every
-    ``linear`` (the attention projections) in the compute dtype too: only the expert GEMMs run in
-    FP8 (at a few thousand tokens per microbatch the projections' GEMMs are too small to gain).
-    """
-    token = _FP8_WEIGHTS.set({} if enabled else None)
-    dense_token = _FP8_DENSE.set(dense)
-    try:
-        yield
-    finally:
-        _FP8_DENSE.reset(dense_token)
-        _FP8_WEIGHTS.reset(token)
-
-
-def _quantize_weight(w: Tensor):
-    from fmoe.kernels.fp8_quant import quantize_weight
-
-    return quantize_weight(w)
-
-
-def _fp8_weight(w: Tensor, cache: dict):
-    # strides too: a view (``w.t()``, a slice of a fused weight) is another weight on the same storage
-    key = (
-        w.untyped_storage().data_ptr(),
-        w.storage_offset(),
-        tuple(w.shape),
-        w.stride(),
-        w.dtype,
-        w._version,
-    )
-    if key not in cache:
-        cache[key] = _quantize_weight(w.detach())
-    return cache[key]
-
-
-def _fp8_eligible(x: Tensor, w: Tensor) -> bool:
-    return all(d % 128 == 0 for d in w.shape[-2:]) and x.shape[-1] == w.shape[-1]
 
 
 def grouped_mm(x: Tensor, w_t: Tensor, offs: Tensor) -> Tensor:
@@ -197,9 +161,10 @@ def grouped_mm_weight_grad(x: Tensor, dy: Tensor, offs: Tensor, num_groups: int)
 class GroupedWeightGrad:
     """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
     so that a step can merge the W of several microbatches into one GEMM
-    (:func:`merge_grouped_weight_grads`). x [n, k], dy [n, m], offs [E] int32 with offs[-1] = n."""
+    (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``),
+    dy [n, m], offs [E] int32 with offs[-1] = n."""
 
-    x: Tensor
+    x: Tensor | Fp8ActT
     dy: Tensor
     offs: Tensor
     num_groups: int
@@ -211,7 +176,7 @@ class GroupedWeightGrad:
 
 
 def _grouped_weight_grad(
-    x: Tensor, dy: Tensor, offs: Tensor, num_groups: int, fp8: bool, out_dtype: torch.dtype | None
+    x: Tensor | Fp8ActT, dy: Tensor, offs: Tensor, num_groups: int, fp8: bool, out_dtype: torch.dtype | None
 ) -> Tensor:
     if fp8:
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
@@ -225,9 +190,10 @@ def _grouped_weight_grad(
 class DenseWeightGrad:
     """A deferred dense weight GEMM, ``dW = dy^T @ x``, kept as data so that W can add it to a
     gradient accumulated over microbatches inside the GEMM (``accumulate_into``), with no
-    weight-sized temporary and no separate add. x [n, k], dy [n, m] -> dW [m, k]."""
+    weight-sized temporary and no separate add. x [n, k] (FP8: or its cached Fp8ActT), dy [n, m]
+    -> dW [m, k]."""
 
-    x: Tensor
+    x: Tensor | Fp8ActT
     dy: Tensor
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
     out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's
@@ -266,6 +232,11 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     """
     if len(parts) == 1:
         return parts[0]()
+    if any(not isinstance(p.x, Tensor) for p in parts):  # tiles of the merged rows straddle parts
+        raise ValueError(
+            "merge_grouped_weight_grads: an input cached in FP8 cannot be merged bitwise with another "
+            "micro-batch's (cache expert inputs only where W is not merged: MemoryPolicy.fp8_cache_experts)"
+        )
     first = parts[0]
     if any(
         (p.fp8, p.out_dtype, p.num_groups) != (first.fp8, first.out_dtype, first.num_groups) for p in parts
@@ -351,81 +322,91 @@ class _Fp8Linear(torch.autograd.Function):
     (the input's and output gradient's column-wise quantization) - the hand-written B and W."""
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, w_fp8) -> Tensor:
+    def forward(x: Tensor, w: Tensor, w_fp8, cached: CachedInput | None) -> Tensor:
         from fmoe.kernels.fp8_linear import fp8_linear_forward
 
-        y = fp8_linear_forward(x.reshape(-1, x.shape[-1]), w_fp8, out_dtype=x.dtype)
-        return y.view(*x.shape[:-1], w.shape[0])
+        a = x.reshape(-1, x.shape[-1]) if cached is None else cached.rows
+        return fp8_linear_forward(a, w_fp8, out_dtype=x.dtype).view(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, w_fp8 = inputs
-        ctx.save_for_backward(x)
+        x, w, w_fp8, cached = inputs
+        # cached: only W's form is saved (``cached`` itself is not kept: its rows die after F)
+        ctx.save_for_backward(*((x,) if cached is None else cols_to_save(cached.cols)))
+        ctx.cached, ctx.x_shape = cached is not None, x.shape
         ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         from fmoe.kernels.fp8_linear import fp8_linear_input_grad
 
-        (x,) = ctx.saved_tensors
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        saved = ctx.saved_tensors
+        x2 = cols_from_saved(saved) if ctx.cached else saved[0].reshape(-1, saved[0].shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
         dx = (
-            fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view_as(x)
-            if ctx.needs_input_grad[0]
-            else None
-        )
-        if not ctx.needs_input_grad[1]:
-            return dx, None, None
-        compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
-        if ctx.tape is not None:
-            ctx.tape.record(ctx.weight, compute)
-            return dx, None, None
-        return dx, compute(), None
-
-
-class _Fp8GroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Tensor, w: Tensor, offs: Tensor, w_fp8) -> Tensor:
-        from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward
-
-        return fp8_grouped_linear_forward(x, w_fp8, offs, out_dtype=x.dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        x, w, offs, w_fp8 = inputs
-        ctx.save_for_backward(x, offs)
-        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
-
-        x, offs = ctx.saved_tensors
-        dx = (
-            fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dy.dtype)
+            fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[0]
             else None
         )
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None
-        # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads)
-        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=True, out_dtype=ctx.weight.dtype)
+        compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
             return dx, None, None, None
         return dx, compute(), None, None
 
 
-def linear(x: Tensor, w: Tensor, fp8: bool = True) -> Tensor:
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, offs: Tensor, w_fp8, cached: CachedInput | None) -> Tensor:
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward
+
+        return fp8_grouped_linear_forward(
+            x if cached is None else cached.rows, w_fp8, offs, out_dtype=x.dtype
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, w, offs, w_fp8, cached = inputs
+        ctx.save_for_backward(offs, *((x,) if cached is None else cols_to_save(cached.cols)))
+        ctx.cached = cached is not None
+        ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
+
+        offs, *saved = ctx.saved_tensors
+        x = cols_from_saved(tuple(saved)) if ctx.cached else saved[0]
+        dx = (
+            fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dy.dtype)
+            if ctx.needs_input_grad[0]
+            else None
+        )
+        if not ctx.needs_input_grad[1]:
+            return dx, None, None, None, None
+        # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads)
+        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=True, out_dtype=ctx.weight.dtype)
+        if ctx.tape is not None:
+            ctx.tape.record(ctx.weight, compute)
+            return dx, None, None, None, None
+        return dx, compute(), None, None, None
+
+
+def linear(x: Tensor, w: Tensor, fp8: bool = True, cache: bool = True) -> Tensor:
     """``x @ w.T`` with a deferrable weight gradient. x: [..., in], w: [out, in] -> [..., out].
 
     Inside :func:`fp8_training` it runs as FP8 GEMMs unless ``fp8=False`` (keep the router and the
     LM head in the compute dtype, as DeepSeek-V3 does), the block was opened with ``dense=False``,
-    or the dims are not multiples of 128.
+    or the dims are not multiples of 128. ``cache=False``: keep ``x`` for W in the compute dtype even
+    where ``fp8_training`` caches inputs in FP8 - for an ``x`` another operation saves anyway (a
+    non-FP8 linear on it), whose cached form would only add bytes (``fmoe.stages.fp8_mode``).
     """
-    cache = _FP8_WEIGHTS.get()
-    if fp8 and cache is not None and _FP8_DENSE.get() and _fp8_eligible(x, w):
-        return _Fp8Linear.apply(x, w, _fp8_weight(w, cache))
+    w_fp8 = fp8_mode.fp8_weight(x, w, dense=True) if fp8 else None
+    if w_fp8 is not None:
+        cached = fp8_mode.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None) if cache else None
+        return _Fp8Linear.apply(x, w, w_fp8, cached)
     return _Linear.apply(x, w)
 
 
@@ -435,7 +416,8 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     x: [n, in] rows grouped by expert, w: [E, out, in], offs: [E] int32 cumulative end offsets
     (an expert may get no rows) -> [n, out]. FP8 inside :func:`fp8_training`, as for ``linear``.
     """
-    cache = _FP8_WEIGHTS.get()
-    if cache is not None and _fp8_eligible(x, w):
-        return _Fp8GroupedLinear.apply(x, w, offs, _fp8_weight(w, cache))
+    w_fp8 = fp8_mode.fp8_weight(x, w, dense=False)
+    if w_fp8 is not None:
+        cached = fp8_mode.cached_input("grouped_linear", x, x, offs)
+        return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached)
     return _GroupedLinear.apply(x, w, offs)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["recomputable", "recompute_outputs"]
+__all__ = ["is_recomputed", "recomputable", "recompute_outputs"]
 
 
 class _Region:
@@ -94,6 +94,16 @@ def recomputable(fn: Callable[..., Tensor], *args) -> Tensor:
     if regions is not None and torch.is_grad_enabled() and out.requires_grad:
         regions.add(fn, args, out)
     return out
+
+
+def is_recomputed(t: Tensor) -> bool:
+    """Whether ``t`` is (a view of) the output of a :func:`recomputable` block of the F running now
+    under selective recomputation: an operation that saves it keeps only a record of the block."""
+    regions = _ACTIVE.get()
+    if regions is None or t.numel() == 0:
+        return False
+    region = regions.by_storage.get(t.untyped_storage().data_ptr())
+    return region is not None and region.out() is not None
 
 
 @contextlib.contextmanager

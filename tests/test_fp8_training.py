@@ -13,7 +13,7 @@ from conftest import random_batch, relative_error, tiny_config
 from fmoe import runner
 from fmoe import stage as S
 from fmoe.kernels import _triton, fp8_gemm
-from fmoe.stages import primitives
+from fmoe.stages import fp8_mode, primitives
 from fmoe.stages.primitives import fp8_training, grouped_linear, linear
 from fmoe.stages.spec import Stage, StageContext
 
@@ -47,13 +47,13 @@ def triton_kernels(torch_kernels, monkeypatch):
 def quantized_shapes(monkeypatch):
     """The shapes of the weights quantized while a test runs, one entry per quantization."""
     calls = []
-    real = primitives._quantize_weight
+    real = fp8_mode._quantize_weight
 
     def counting(w):
         calls.append(tuple(w.shape))
         return real(w)
 
-    monkeypatch.setattr(primitives, "_quantize_weight", counting)
+    monkeypatch.setattr(fp8_mode, "_quantize_weight", counting)
     return calls
 
 

@@ -1,0 +1,123 @@
+"""The FP8 input caching's term of the memory plan (``fmoe plan``; ``fmoe.plan_activations`` adds it).
+
+With ``train.fp8`` and ``memory.fp8_cache`` (:class:`Fp8Caching`), an FP8 linear whose input is made
+inside its stage, is not a view and is read by FP8 linears only keeps that input in FP8 for its
+weight gradient (``fmoe.stages.fp8_mode``). :func:`fp8_cache_bytes` is what that changes in a stage's
+saved bytes: each cached input's form (``cached_input_bytes``) in place of its compute-dtype bytes,
+per the stages' code (:func:`fp8_inputs` lists them per family and role). Checked to the byte
+against the saved tensors of a CPU run (tests/test_fp8_cache.py). The FP8 weight copies are not
+planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from fmoe.memory_policy import MemoryPolicy
+from fmoe.stages.fp8_mode import cached_input_bytes
+
+__all__ = ["Fp8Caching", "Fp8Input", "fp8_cache_bytes", "fp8_inputs"]
+
+
+@dataclass(frozen=True)
+class Fp8Caching:
+    """Which FP8 linears of a step keep their inputs in FP8 (``fp8_training``'s cache_inputs /
+    cache_expert_inputs, as ``parallel_step`` opens it): ``dense`` (``linear``), ``experts``
+    (``grouped_linear``); ``local_experts``: a rank's experts (the cached form pads each one)."""
+
+    dense: bool
+    experts: bool
+    local_experts: int
+
+    @staticmethod
+    def of(
+        fp8: bool, fp8_dense: bool, policy: MemoryPolicy, pp: int, microbatches: int, local_experts: int
+    ) -> Fp8Caching | None:
+        """The caching of a step (``train.fp8``, ``train.fp8_dense``, the ``[memory]`` policy); None: none."""
+        if not (fp8 and policy.fp8_cache):
+            return None
+        return Fp8Caching(fp8_dense, policy.fp8_cache_experts(pp, microbatches), local_experts)
+
+
+class Fp8Input(NamedTuple):
+    """An input an FP8 stage may cache: [rows, width]; eligible: a weight reading it has dims that are
+    multiples of 128 (runs in FP8); kept: another reading it does not, and so saves it in the compute
+    dtype anyway (the cached form is then extra); expert: an expert GEMM's (grouped by expert);
+    region: the output of a recomputable region, which "selective" drops where it is kept in the
+    compute dtype."""
+
+    rows: int
+    width: int
+    eligible: bool
+    kept: bool = False
+    expert: bool = False
+    region: bool = False
+
+
+def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int) -> list[Fp8Input]:
+    """The inputs a stage's FP8 linears read that are made inside it and saved by nothing else (per
+    ``fmoe.stages``' code): a linear on the stage's input (or a view of it) or called with
+    ``cache=False`` caches nothing (``fmoe.stages.fp8_mode``)."""
+    ok = lambda *dims: all(d % 128 == 0 for d in dims)  # noqa: E731
+    h, k = cfg.hidden_size, getattr(cfg, "num_experts_per_tok", 1)
+    if role == "attn" and family == "deepseek_v2":  # q_proj / q_a_proj share x with kv_a: not cached
+        nh, dv, lora = cfg.num_attention_heads, cfg.v_head_dim, cfg.kv_lora_rank
+        out = [Fp8Input(t, lora, ok(lora, nh * (cfg.qk_nope_head_dim + dv)))]
+        if cfg.q_lora_rank:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            out.append(Fp8Input(t, cfg.q_lora_rank, ok(cfg.q_lora_rank, nh * qk)))
+        return out  # o_proj: cache=False (SDPA saves its output)
+    if role == "attn":  # q, k, v share the normed hidden state; o reads the attention's output:
+        # SDPA's, which it saves (Qwen3: cache=False), or a copy of the sinks' matmul (gpt-oss)
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        d = cfg.head_dim or h // heads
+        o = Fp8Input(t, heads * d, ok(h, heads * d) and family == "gpt_oss")
+        q_fp8, kv_fp8 = ok(h, heads * d), ok(h, kv * d)
+        return [Fp8Input(t, h, q_fp8 or kv_fp8, kept=q_fp8 != kv_fp8, region=True), o]
+    if role != "mlp":
+        return []
+    if not moe:  # gate and up read the stage's input; down the SwiGLU product
+        return [Fp8Input(t, cfg.intermediate_size, ok(h, cfg.intermediate_size))]
+    inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
+    # the experts' down reads the SwiGLU output (gate_up reads the stage's input)
+    out = [Fp8Input(t * k, inter, ok(h, inter), expert=True, region=family != "gpt_oss")]
+    shared = (cfg.n_shared_experts or 0) if family == "deepseek_v2" else 0
+    if shared:
+        out.append(Fp8Input(t, shared * inter, ok(h, shared * inter)))
+    return out
+
+
+def _cached(
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None, selective: bool
+) -> list[Fp8Input]:
+    """The inputs of ``fp8_inputs`` the step caches, as ``fp8_mode.cached_input`` decides: FP8, of a
+    kind ``fp8`` caches, smaller cached than in the compute dtype (``elem`` bytes an element), and
+    not a region's output the stage recomputes (``selective``)."""
+    if fp8 is None:
+        return []
+    return [
+        i
+        for i in fp8_inputs(family, cfg, role, moe, tokens)
+        if i.eligible
+        and (fp8.experts if i.expert else fp8.dense)
+        and _cached_bytes(i, fp8) < i.rows * i.width * elem
+        and not (selective and i.region)
+    ]
+
+
+def _cached_bytes(i: Fp8Input, fp8: Fp8Caching) -> int:
+    return cached_input_bytes(i.rows, i.width, fp8.local_experts if i.expert else 1)
+
+
+def fp8_cache_bytes(
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None,
+    selective: bool = False,
+) -> int:  # fmt: skip
+    """What FP8 input caching changes in the bytes one micro-batch's stage of ``role`` saves: each
+    cached input's form less its bytes in the compute dtype (``elem`` bytes an element; none where
+    another reader keeps it: the form is then extra). tokens: the micro-batch's tokens on the rank;
+    selective: the stage runs under selective recomputation, whose regions' outputs are not cached
+    (it keeps nothing of them)."""
+    cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective)
+    return sum(_cached_bytes(i, fp8) - (0 if i.kept else i.rows * i.width * elem) for i in cached)

@@ -11,13 +11,16 @@ work and of the expert activations). What the proxy cannot show is the communica
 all-to-all, no gathers: one process) and the sharding of the non-expert parameters (one process
 holds all of them, where a rank of the 8 holds an eighth): so its plan is the proxy's own
 one-process plan, printed beside the plan of the real layout's rank. Checkpoints are not saved
-(an 83 GB state would take minutes to write and is not what is measured here); the run's memory
-policy is the recipe's.
+(an 83 GB state would take minutes to write and is not what is measured here). The memory policy
+is the one the real layout's rank runs: the recipe's, or where the recipe leaves it to "auto", what
+the plan picks for that rank on a device of ``--device-memory`` GiB (``fmoe.plan_policy.choose``),
+set explicitly so the proxy runs it whatever its own plan would pick.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -26,23 +29,27 @@ import torch
 
 from benchmarks.common import environment, write_result
 from fmoe import plan as memory_plan
-from fmoe import plan_text
+from fmoe import plan_policy, plan_text
 from fmoe import recipe as R
 from fmoe.hf import family
+from fmoe.memory_policy import MemoryPolicy
 from fmoe.train_state import Checkpointer
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "qwen3_30b_a3b.toml"
 EP = 8  # the shipped layout's expert-parallel size
 
 
-def proxy_recipe(folder: Path, steps: int, microbatches: int, device: str, layers: int | None) -> R.Recipe:
-    """The shipped recipe as one ep = 8 rank: 16 experts, top-8, micro-batches of one sequence."""
+def proxy_recipe(
+    folder: Path, steps: int, microbatches: int, device: str, layers: int | None, memory: MemoryPolicy
+) -> R.Recipe:
+    """The shipped recipe as one ep = 8 rank: 16 experts, top-8, micro-batches of one sequence, the
+    memory policy ``memory`` (explicit)."""
     real = R.read_toml(RECIPE)
     model = {**real["model"], "num_experts": real["model"]["num_experts"] // EP}
     if layers is not None:
         model["num_hidden_layers"] = layers
     return R.from_dict({
-        "memory": real.get("memory", {}),
+        "memory": {k: v for k, v in dataclasses.asdict(memory).items() if k != "policy"},
         "optim": {**real["optim"], "warmup": min(real["optim"]["warmup"], steps // 4)},
         "model": model,
         "data": {"path": str(folder / "data"), "build_from": "builtin", "builtin_bytes": 4_000_000,
@@ -61,19 +68,28 @@ def planned(recipe: R.Recipe, sizes: tuple[int, int, int, int], device: str) -> 
     )
 
 
+def real_rank_choice(layers: int | None, device_gib: float) -> plan_policy.PolicyChoice:
+    """The policy and plan of one rank of the shipped layout (``EP`` ranks of experts)."""
+    overrides = {} if layers is None else {"model.num_hidden_layers": layers}
+    real = R.from_dict(R.read_toml(RECIPE, overrides))
+    fam = family(real.model_family)
+    return plan_policy.choose(real, fam.build(real.model), fam.param_shapes(real.model), (1, 1, 1, EP),
+                              device_gib * 2**30)  # fmt: skip
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches of one sequence per step")
     ap.add_argument("--layers", type=int, default=None, help="cut the model (a smoke run); default 48")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (its peak is not measured)")
+    ap.add_argument("--device-memory", type=float, default=139.0, help="GiB per GPU of the real layout")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
-    recipe = proxy_recipe(folder, args.steps, args.microbatches, args.device, args.layers)
+    real = real_rank_choice(args.layers, args.device_memory)
+    recipe = proxy_recipe(folder, args.steps, args.microbatches, args.device, args.layers, real.policy)
     proxy_plan = planned(recipe, (1, 1, 1, 1), args.device)
-    real = R.from_dict(R.read_toml(RECIPE, {"model.num_hidden_layers": recipe.model.num_hidden_layers}))
-    rank_plan = planned(real, (1, 1, 1, EP), args.device)
     Checkpointer.save = lambda self, *a, **k: None  # not measured here (see the module docstring)
     from fmoe.train import train
 
@@ -102,7 +118,9 @@ def main(argv=None) -> dict:
         "planned_terms_gib": {k: getattr(terms, k) / gib for k in memory_plan.TERMS},
         "measured_peak_gib": measured / gib,
         "measured_over_planned": measured / proxy_plan.peak,
-        "real_layout_rank_planned_gib": rank_plan.peak / gib,
+        "real_layout_rank_planned_gib": real.plan.peak / gib,
+        "real_layout_policy": plan_text.policy_text(real.policy)
+        + f" (auto: {real.auto}; {real.cost.text()})",
         "tokens_per_s": result.tokens_per_second,
         "losses_first_last": [result.losses[0], result.losses[-1]],
         "wall_s": wall,

@@ -111,12 +111,14 @@ def init_from_env(
     """The default process group from torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
 
     backend: None for "nccl" when CUDA is available, else "gloo"; device: this rank's CUDA device
-    (made current; None: ``local_device`` of LOCAL_RANK under NCCL).
+    (made current; None or no index: ``local_device`` of LOCAL_RANK under NCCL).
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: environment lacks {missing}; launch with torchrun")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = None  # "cuda" without an index: the local rank's, as below
     if device is None and backend == "nccl":
         device = local_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
     if device is not None and device.type == "cuda":

@@ -295,7 +295,8 @@ def rank_table(actions: Sequence[Action], rank: int, marked: int | None = None) 
 def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
     """Every rank's loss terms summed (each slot was written by one rank only, so the sum is exact),
     then each microbatch's loss and the step's, as the sequential runner forms them."""
-    terms = st.terms.matrix(st.s.microbatches, st.link.device())
+    # made where the terms are (one copy to the wire's device, not one per term), summed there
+    terms = st.terms.matrix(st.s.microbatches, st.link.compute).to(st.link.device())
     st.link.wait([dist.all_reduce(terms, group=st.group, async_op=True)], "the loss all-reduce")
     losses = st.terms.losses_from(terms.cpu())
     return runner.mean_loss(losses), losses

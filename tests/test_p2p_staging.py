@@ -72,6 +72,21 @@ def test_the_recipe_refuses_nccl_on_a_shared_gpu_in_one_line_and_auto_says_it_ch
     assert backend(auto, torch.device("cuda", 0)) == "nccl"
 
 
+def test_fmoe_train_refuses_nccl_on_shared_gpus_before_the_process_group_in_one_line(
+    tmp_path, dataset, monkeypatch, capsys
+):
+    from test_cli_errors import assert_one_line_error, train_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    code, err, _ = train_cli(tmp_path, dataset, capsys, train={"device": "cuda"},
+                             parallel={"dp": 2, "backend": "nccl"})  # fmt: skip
+    assert_one_line_error(code, err, "parallel.backend = 'nccl'", "use parallel.backend = 'gloo'")
+
+
 def test_parallel_backend_is_validated_by_name_and_round_trips(tmp_path, dataset):
     with pytest.raises(R.RecipeError, match=r"parallel.backend must be 'auto', 'nccl' or 'gloo', got 'NCCL'"):
         R.from_dict(recipe_dict(tmp_path, dataset, parallel={"backend": "NCCL"}))

@@ -24,8 +24,8 @@ it against the compute stream). A RECV waits for the header only; its tensors ar
 staged to the device) when F or B first reads them (``p2p.arrived``), so in an FB row the other
 micro-batch's stages queued first (FB_ORDER starts with B) overlap the transfer. FB interleaves its
 two halves in the order ``fmoe.fb_order`` reads (on one stream; putting its comm stages, EP's
-dispatch and combine, on a side CUDA stream is left for later). A failing rank's error carries its whole
-table with the failing row marked.
+dispatch and combine, on a side CUDA stream is left for later). A failing rank's error carries its
+whole table with the failing row marked.
 
 Ownership (``fmoe.stage``'s rules): a chunk's carry and input gradients go to the rank's other chunk
 as the same tensor objects, and to a SEND as buffers the send reads until it is waited on; nothing

@@ -54,17 +54,75 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.ProcessGroup:
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+class BackendError(ValueError):
+    """A process-group backend that cannot run on these devices; the message names parallel.backend."""
+
+
+def local_device(local_rank: int, device_count: int) -> torch.device:
+    """The device local rank ``local_rank`` computes on: ``cuda:(local_rank % device_count)``, so
+    more local ranks than devices share them round-robin (one GPU: every rank on cuda:0); the CPU
+    when ``device_count`` is 0."""
+    if local_rank < 0 or device_count < 0:
+        raise ValueError(
+            f"local_device: local_rank {local_rank} and device_count {device_count} must be >= 0"
+        )
+    return torch.device("cpu") if device_count == 0 else torch.device("cuda", local_rank % device_count)
+
+
+def choose_backend(requested: str, device_type: str, local_ranks: int, device_count: int) -> tuple[str, str]:
+    """(the process group's backend, a note for the log or "") for ``parallel.backend = requested``.
+
+    device_type: where the ranks compute ("cuda" or "cpu"); local_ranks: processes on this host;
+    device_count: its CUDA devices. "auto": NCCL when every local rank has a CUDA device of its
+    own, gloo otherwise (on the CPU, or ranks sharing a device: NCCL refuses two ranks on one
+    device, "invalid usage", while gloo moves CUDA tensors; the note says why it chose gloo).
+    Raises BackendError for an unknown name and for NCCL on the CPU or on a shared device.
+    """
+    if requested not in BACKENDS:
+        raise BackendError(f"parallel.backend must be 'auto', 'nccl' or 'gloo', got {requested!r}")
+    shared = device_type == "cuda" and local_ranks > device_count
+    if requested == "gloo":
+        return "gloo", ""
+    if requested == "nccl" and device_type != "cuda":
+        raise BackendError(
+            "parallel.backend = 'nccl' needs CUDA devices but the run is on the CPU: use 'gloo'"
+        )
+    if requested == "nccl" and shared:
+        raise BackendError(
+            f"parallel.backend = 'nccl' with {local_ranks} local ranks on {device_count} CUDA device(s): "
+            f"NCCL refuses two ranks on one device; use parallel.backend = 'gloo'"
+        )
+    if device_type != "cuda":
+        return "gloo", ""
+    if shared:
+        return "gloo", (
+            f"parallel.backend = 'auto' chose gloo: {local_ranks} local ranks share {device_count} CUDA "
+            f"device(s) and NCCL refuses two ranks on one device"
+        )
+    return "nccl", ""
+
+
+def init_from_env(
+    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, device: torch.device | None = None
+) -> dist.ProcessGroup:
     """The default process group from torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
 
-    backend: "nccl" when CUDA is available, else "gloo"; LOCAL_RANK picks the CUDA device.
+    backend: None for "nccl" when CUDA is available, else "gloo"; device: this rank's CUDA device
+    (made current; None or no index: ``local_device`` of LOCAL_RANK under NCCL).
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: environment lacks {missing}; launch with torchrun")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = None  # "cuda" without an index: the local rank's, as below
+    if device is None and backend == "nccl":
+        device = local_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return c10d._get_default_group()

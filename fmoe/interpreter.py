@@ -18,10 +18,14 @@ previous pipeline stage (the same rank's other chunk, or a RECV_F), and the loss
 of all ranks are summed into one [microbatches, terms] matrix (each slot is written by exactly one
 rank, so the sum is exact), and every rank forms the losses as the sequential runner does.
 
-Rows are run by a handler per action kind (``HANDLERS``); SEND/RECV go through ``fmoe.p2p``, FB
-interleaves its two halves in the order ``fmoe.fb_order`` reads (on CPU sequentially; putting the
-comm stages on a side CUDA stream is left for later). A failing rank's error carries its whole
-table with the failing row marked.
+Rows are run by a handler per action kind (``HANDLERS``); SEND/RECV go through ``fmoe.p2p`` (on
+gloo with CUDA tensors staged through pinned host buffers on a side copy stream, whose events order
+it against the compute stream). A RECV waits for the header only; its tensors are waited for (and
+staged to the device) when F or B first reads them (``p2p.arrived``), so in an FB row the other
+micro-batch's stages queued first (FB_ORDER starts with B) overlap the transfer. FB interleaves its
+two halves in the order ``fmoe.fb_order`` reads (on one stream; putting its comm stages, EP's
+dispatch and combine, on a side CUDA stream is left for later). A failing rank's error carries its
+whole table with the failing row marked.
 
 Ownership (``fmoe.stage``'s rules): a chunk's carry and input gradients go to the rank's other chunk
 as the same tensor objects, and to a SEND as buffers the send reads until it is waited on; nothing
@@ -44,7 +48,7 @@ from fmoe import dist as D
 from fmoe import pipeline, runner
 from fmoe.fb_order import FB_ORDER, FBStep, parse_fb_order, role
 from fmoe.memory_policy import MemoryPolicy
-from fmoe.p2p import Channel
+from fmoe.p2p import Channel, Incoming, arrived
 from fmoe.schedules.table import (
     Action,
     ActionKind,
@@ -77,15 +81,17 @@ class _Rank:
         self.S = num_stages(schedule)
         self.scale = 1.0 / schedule.microbatches
         self.terms = runner.LossTerms(model)
-        self.inbox_f: dict[tuple[int, int], tuple] = {}
-        self.inbox_b: dict[tuple[int, int], tuple] = {}
+        # what F / B read: a tuple, or one still arriving from a peer (waited on at its first use)
+        self.inbox_f: dict[tuple[int, int], tuple | Incoming] = {}
+        self.inbox_b: dict[tuple[int, int], tuple | Incoming] = {}
         self.outbox_f: dict[tuple[int, int], tuple] = {}
         self.outbox_b: dict[tuple[int, int], tuple] = {}
         self.fwds: dict[tuple[int, int], list] = {}
         self.works: dict[tuple[int, int], list] = {}
         self.grads: dict[str, Tensor] = {}
         self.statistics: dict[str, Tensor] = {}  # this rank's stages' counts, summed over microbatches
-        self.link = Channel(group, rank, timeout_s)  # sends and receives to the other pipeline ranks
+        # sends and receives to the other pipeline ranks, of tensors on the batch's device
+        self.link = Channel(group, rank, timeout_s, batch["tokens"].device)
         self.action: object = "setup"  # what runs now and its row (None: not a row), for a failure
         self.row: int | None = None
 
@@ -105,7 +111,7 @@ class _Forward:
         self.todo = list(st.smap[(st.rank, chunk)])
         prev = st.neighbour(chunk, -1)
         if prev is None:
-            self.carry: tuple = ()
+            self.carry: tuple | Incoming = ()
         else:
             key = (mb, chunk)
             if key not in st.inbox_f:
@@ -122,7 +128,7 @@ class _Forward:
         st, i = self.st, self.todo.pop(0)
         mb = self.mb
         self.carry, fwd = runner.forward_stage(
-            mb, i, st.model.stages[i], st.params, self.carry, st.microbatches[mb], st.ctxs[mb],
+            mb, i, st.model.stages[i], st.params, arrived(self.carry), st.microbatches[mb], st.ctxs[mb],
             st.terms, st.statistics, memory=st.memory,
         )  # fmt: skip
         self.fwds.append(fwd)
@@ -136,9 +142,9 @@ class _Forward:
         if nxt is None:
             return
         if nxt[0] == st.rank:
-            st.inbox_f[(self.mb, nxt[1])] = self.carry
+            st.inbox_f[(self.mb, nxt[1])] = arrived(self.carry)
         else:
-            st.outbox_f[key] = self.carry
+            st.outbox_f[key] = arrived(self.carry)
 
 
 class _Backward:
@@ -152,7 +158,7 @@ class _Backward:
         self.fwds = st.fwds.pop(key)
         self.todo = list(range(len(self.fwds) - 1, -1, -1))
         if st.neighbour(chunk, +1) is None:
-            self.grad: tuple = ()
+            self.grad: tuple | Incoming = ()
         else:
             if key not in st.inbox_b:
                 raise ScheduleError(
@@ -168,7 +174,7 @@ class _Backward:
     def step(self, defer_w: bool = False) -> None:
         i = self.todo.pop(0)
         fwd, self.fwds[i] = self.fwds[i], None  # drop the activation as soon as its B has run
-        self.grad, work = runner.backward_stage(fwd, self.grad, self.st.scale)
+        self.grad, work = runner.backward_stage(fwd, arrived(self.grad), self.st.scale)
         if defer_w:
             self.deferred.append((role(fwd.stage), work))
         else:
@@ -192,9 +198,9 @@ class _Backward:
         if prev is None:
             return
         if prev[0] == st.rank:
-            st.inbox_b[(self.mb, prev[1])] = self.grad
+            st.inbox_b[(self.mb, prev[1])] = arrived(self.grad)
         else:
-            st.outbox_b[key] = self.grad
+            st.outbox_b[key] = arrived(self.grad)
 
 
 def _run_fb(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
@@ -257,11 +263,11 @@ def _send_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
 
 
 def _recv_f(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    st.inbox_f[(a.microbatch, a.chunk)] = st.link.recv(a.peer, str(a))
+    st.inbox_f[(a.microbatch, a.chunk)] = st.link.post_recv(a.peer, str(a))  # waited on at first use
 
 
 def _recv_b(st: _Rank, a: Action, order: Sequence[FBStep]) -> None:
-    st.inbox_b[(a.microbatch, a.chunk)] = st.link.recv(a.peer, str(a))
+    st.inbox_b[(a.microbatch, a.chunk)] = st.link.post_recv(a.peer, str(a))
 
 
 # one handler per action kind: the interpreter knows no schedule, only these
@@ -289,7 +295,8 @@ def rank_table(actions: Sequence[Action], rank: int, marked: int | None = None) 
 def _finish_loss(st: _Rank) -> tuple[Tensor, list[Tensor]]:
     """Every rank's loss terms summed (each slot was written by one rank only, so the sum is exact),
     then each microbatch's loss and the step's, as the sequential runner forms them."""
-    terms = st.terms.matrix(st.s.microbatches, st.link.device())
+    # made where the terms are (one copy to the wire's device, not one per term), summed there
+    terms = st.terms.matrix(st.s.microbatches, st.link.compute).to(st.link.device())
     st.link.wait([dist.all_reduce(terms, group=st.group, async_op=True)], "the loss all-reduce")
     losses = st.terms.losses_from(terms.cpu())
     return runner.mean_loss(losses), losses

@@ -4,7 +4,7 @@
 [data]       dataset folder, tokenizer, sequence length, what to build it from if missing
 [train]      steps, batch sizes, seed, dtype, device
 [optim]      AdamW, clipping, learning-rate schedule
-[parallel]   pp, dp, cp, ep sizes and the pipeline schedule (a generator name or a CSV file)
+[parallel]   pp, dp, cp, ep sizes, the pipeline schedule (a generator or a CSV file), the backend
 [checkpoint] folder, interval, how many to keep
 [log]        folder, interval
 [memory]     merge window of the expert weight GEMMs, recomputation, offloading, or policy = "auto"
@@ -88,6 +88,8 @@ class ParallelConfig:
     # when sharded parameters are gathered: "chunk" just before each layer's use (pp = 1) or each
     # pipeline chunk's first use (pp > 1), gradients reduced as soon as final; "step": all at once
     gather: str = "chunk"
+    # the process group's: "auto" (NCCL when each local rank has a GPU of its own, else gloo), "nccl", "gloo"
+    backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,8 @@ def validate(recipe: Recipe) -> None:
         )
     if p.gather not in ("chunk", "step"):
         raise RecipeError(f"{where}: parallel.gather must be 'chunk' or 'step', got {p.gather!r}")
+    if p.backend not in ("auto", "nccl", "gloo"):
+        raise RecipeError(f"{where}: parallel.backend must be 'auto', 'nccl' or 'gloo', got {p.backend!r}")
     sizes = model_family(recipe.model_family, where).sizes(recipe.model)
     check_scale(sizes, where)
     if sizes.max_positions is not None and sizes.max_positions < recipe.data.seq_len:

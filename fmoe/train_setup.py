@@ -35,7 +35,7 @@ from fmoe.stages.spec import Model
 from fmoe.train_data import check_dataset_tokenizer, open_dataset
 from fmoe.train_state import agree_on_resume_point
 
-__all__ = ["Run", "check_memory_plan", "pick_device", "schedule", "setup", "setup_mesh"]
+__all__ = ["Run", "backend", "check_memory_plan", "pick_device", "place", "schedule", "setup", "setup_mesh"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -71,10 +71,8 @@ def setup(recipe: Recipe, stack: contextlib.ExitStack) -> Run:
     cfg = recipe.model
     check_family(fam, cfg)  # every stage once on a tiny batch: a broken family named before any data
     check_dataset_tokenizer(recipe)
-    mesh = setup_mesh(recipe)
-    device = pick_device(recipe.train.device)
-    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    device = place(recipe)
+    mesh = setup_mesh(recipe, device)
     dtype = _DTYPES[recipe.train.dtype]
     torch.manual_seed(recipe.train.seed)
     resume_from = agree_on_resume_point(recipe, mesh, stack)
@@ -101,8 +99,35 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def setup_mesh(recipe: Recipe) -> Mesh:
-    """Process group (torchrun's environment) and mesh; sizes checked before anything is built."""
+def place(recipe: Recipe) -> torch.device:
+    """This rank's device: ``pick_device``, and under torchrun (LOCAL_RANK) the CUDA device
+    ``fmoe.dist.local_device`` maps its local rank to (ranks share devices when there are fewer
+    devices than local ranks), made current."""
+    device = pick_device(recipe.train.device)
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        device = D.local_device(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return device
+
+
+def backend(recipe: Recipe, device: torch.device) -> str:
+    """The process group's backend for ``parallel.backend`` on ``device`` (``fmoe.dist.choose_backend``)
+    over this host's local ranks (torchrun's LOCAL_WORLD_SIZE; a launcher without it: WORLD_SIZE,
+    the whole job on one host); rank 0 prints why when "auto" chose gloo."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    try:
+        name, note = D.choose_backend(recipe.parallel.backend, device.type, local, count)
+    except D.BackendError as e:
+        raise RecipeError(f"{recipe.path}: {e}") from None
+    if note and os.environ.get("RANK", "0") == "0":
+        print(f"fmoe: {note}", flush=True)
+    return name
+
+
+def setup_mesh(recipe: Recipe, device: torch.device | None = None) -> Mesh:
+    """Process group (torchrun's environment; its backend from ``backend``) and mesh; sizes checked
+    before anything is built. device: this rank's (``place``; None: ``pick_device``'s)."""
     p, t = recipe.parallel, recipe.train
     fam = family_module(recipe.model_family)
     if p.cp > 1 and not fam.supports_context_parallel:
@@ -120,7 +145,8 @@ def setup_mesh(recipe: Recipe) -> Mesh:
     except MeshError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None
     if world > 1 and not dist.is_initialized():
-        D.init_from_env(timeout_s=p.timeout_s)
+        device = device if device is not None else pick_device(recipe.train.device)
+        D.init_from_env(backend(recipe, device), timeout_s=p.timeout_s, device=device)
     return build_mesh(p.pp, p.dp, p.cp, p.ep)
 
 

@@ -342,7 +342,9 @@ class _Fp8Linear(torch.autograd.Function):
 
         saved = ctx.saved_tensors
         x2 = cols_from_saved(saved) if ctx.cached else saved[0].reshape(-1, saved[0].shape[-1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        # the gradient autograd hands over may be a transposed view (attention's q/k/v after the
+        # math backend's head transpose): the quantization kernels read rows of contiguous memory
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         dx = (
             fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[0]

@@ -84,6 +84,26 @@ def test_fp8_linear_b_and_w_agree_with_the_derived_float_ones_within_the_fp8_bou
     assert (dw8 - dw).norm() / dw.norm() < 0.05 and (y8 - y).norm() / y.norm() < 0.05
 
 
+def test_fp8_linear_takes_an_output_gradient_that_is_a_transposed_view(triton_kernels):
+    """Autograd may hand B a gradient whose last dim is not contiguous (the q/k/v projections under
+    the math attention backend get one back through its head transpose): the FP8 B and W give
+    bitwise what they give for the same values in contiguous memory."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 256, generator=gen)
+    w = torch.randn(128, 256, generator=gen) * 0.05
+    dy = torch.randn(256, 128, generator=gen)
+    strided = dy.t().contiguous().t()  # the same values, the last dim's stride 256
+    assert not strided.is_contiguous() and torch.equal(strided, dy)
+    stage = Stage("lin", lambda p, i, c: (linear(i[0], p["w"]),), ("l.w",), "l.")
+    out = []
+    for grad in (dy, strided):
+        with fp8_training(True):
+            _, fwd = S.forward(stage, {"l.w": w}, (x,), StageContext())
+            (dx,), work = S.backward_input(fwd, (grad,))
+            out.append((dx, S.backward_weight(work)["l.w"]))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 def test_fp8_grouped_linear_b_and_w_agree_within_the_fp8_bound_with_an_empty_expert():
     gen = torch.Generator().manual_seed(1)
     offs = torch.tensor([40, 40, 128], dtype=torch.int32)  # expert 1 gets no rows

@@ -86,31 +86,27 @@ class Rates:
         return points[-1][1]
 
 
-# The shipped rates: one H200, bf16. Until benchmarks/measure_role_costs.py is run on an H200
-# (its output goes to benchmarks/results/role_costs_h200.json, whose "rates" this replaces), each
-# figure is derived from a result already in benchmarks/results/:
+# The shipped rates: one H200, bf16, torch 2.11 - measured by benchmarks/measure_role_costs.py
+# (benchmarks/results/role_costs_h200.json, 2026-12-04) at the Qwen3-30B-A3B shapes, but for one:
 H200_RATES = Rates(
-    # fp8_h200.json qwen3_30b_a3b_layer, bf16 forward of q/k/v/o_proj at 4096 tokens: their
-    # 154.6 GFLOP in 0.221 ms together
-    dense_tflops=699.0,
+    # q/k/v/o projections at 4096 tokens, FLOP-weighted (q 585, k 231, v 233, o 613 TFLOP/s)
+    dense_tflops=509.0,
+    # both expert weight-gradient GEMMs at each number of rows per expert (W, and a merge window's)
     grouped_tflops=(
-        # stages_h200.json: the mlp stage's W (both expert weight GEMMs, 6 x 32768 x 2048 x 768 FLOPs)
-        # in 0.878 ms at one 4096-token micro-batch = 256 rows per expert (wall time of the call)
-        (256, 352.0),
-        # fp8_h200.json qwen3_30b_a3b_layer: bf16 wgrad of experts_up and experts_down at 131072
-        # routed rows = 1024 per expert: 1237 GFLOP in 1.956 ms
-        (1024, 632.0),
-    ),
-    # throughput_h200_mb8_variants.json, fmoe's profile: attention 6.96% of a 472.6 ms step of
-    # 4 layers x 8 micro-batches = 1.028 ms per layer and micro-batch for F + B; F + B counted as
-    # 3.5 x the 137.4 GFLOP forward (flash backward recomputes the scores: 2.5 x)
-    attention_tflops=468.0,
-    # fp8_h200.json bandwidth: rmsnorm 3962 GB/s, swiglu bf16 3946 GB/s (forward: what recompute reruns)
+        (64, 136.2),
+        (128, 247.0),
+        (256, 397.2),
+        (512, 518.6),
+        (1024, 593.2),
+        (2048, 614.8),
+        (4096, 632.9),
+    ),  # fmt: skip
+    attention_tflops=426.2,  # causal SDPA forward, 4096 tokens, 32 heads x 128
+    # the exception: the fused RMSNorm and SwiGLU kernels the step runs (fp8_h200.json bandwidth:
+    # 3962 and 3946 GB/s). role_costs_h200.json's 939 GB/s times one [4096, 2048] RMSNorm call at a
+    # time, whose launch outweighs its 32 MB; inside a step (CUDA graphs) launches cost nothing
     elementwise_gbps=3950.0,
-    # checkpoint_stall_h200.json, the asynchronous save: 37.4 GB staged into pinned host memory in
-    # 26.1 s (begin_s), pinned allocation included: a floor well below the link's rate, so offloading
-    # is priced high until role_costs_h200.json's measured copy replaces it
-    host_copy_gbps=1.43,
+    host_copy_gbps=55.0,  # pinned host <-> device, 256 MiB, the slower direction (d2h 55.02, h2d 55.02)
 )
 
 

@@ -100,7 +100,14 @@ def sum_terms(terms: Sequence[Tensor]) -> Tensor:
 
 
 def mean_loss(microbatch_losses: Sequence[Tensor]) -> Tensor:
-    return torch.stack(list(microbatch_losses)).sum() / len(microbatch_losses)
+    """The step's loss: the micro-batches' losses added in micro-batch order, then divided. One add
+    at a time (not a reduction kernel, whose order differs between devices), so the same losses give
+    the same bits on any device: the pipeline forms it from its terms on the host, the sequential
+    runner where the losses are."""
+    total = microbatch_losses[0]
+    for loss in microbatch_losses[1:]:
+        total = total + loss
+    return total / len(microbatch_losses)
 
 
 def accumulate(total: dict[str, Tensor], grads: Mapping[str, Tensor]) -> None:

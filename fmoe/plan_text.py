@@ -91,7 +91,11 @@ def policy_text(policy: MemoryPolicy) -> str:
 
 def choice_text(policy: MemoryPolicy, cost: TimeCost, auto: bool) -> str:
     """The policy, who chose it and its modelled cost, in one phrase."""
-    who = " (chosen by memory.policy = 'auto': the fastest that fits)" if auto else ""
+    who = (
+        " (chosen by memory.policy = 'auto': the fastest that fits; within 1% of it, the smallest peak)"
+        if auto
+        else ""
+    )
     return f"{policy_text(policy)}{who}, {cost.text()}"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -51,6 +52,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         newest = checkpoint.latest(recipe.checkpoint.dir)
         print(f"fmoe: {e}; the newest checkpoint is {newest}", file=sys.stderr, flush=True)
         return 128 + e.signum
+    if os.environ.get("RANK", "0") != "0":  # torchrun's rank: one closing line per run, rank 0's
+        return 0
     if result.stopped_by is not None:
         print(f"stopped by {result.stopped_by} after step {result.step}: checkpoint {result.checkpoint} "
               f"(the same command resumes from it)")  # fmt: skip
@@ -200,7 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for line in plan_text.table_lines([c.plan for c in listed], limit, listed):
         print("  " + line)
     print(f"per rank, {plan_text.layout_name(shown.plan)} ({shown.plan.schedule}, bubble {shown.plan.bubble:.3f}), "
-          f"{plan_text.choice_text(shown.policy, shown.cost, shown.auto)}:")  # fmt: skip
+          f"{plan_text.choice_text(shown.policy, shown.cost, shown.auto, limit is not None)}:")  # fmt: skip
     for line in plan_text.rank_lines(shown.plan):
         print("  " + line)
     return 0

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fmoe import dist as D
 from fmoe.mesh import Mesh
 from fmoe.sharding import ShardInfo
 from fmoe.stages.spec import Model
@@ -52,7 +53,7 @@ def gather_params(
             pending.append((name, None, src))
             continue
         buf = src.new_empty(info.padded_numel)
-        work = dist.all_gather_into_tensor(buf, src.contiguous(), group=mesh.group(info.group), async_op=True)
+        work = D.all_gather_single(buf, src.contiguous(), group=mesh.group(info.group), async_op=True)
         pending.append((name, work, buf))
     full = {}
     for name, work, buf in pending:
@@ -110,7 +111,7 @@ def start_reduce(flat: Tensor, info: ShardInfo, group, *, owned: bool, async_op:
         return PendingShard(info, flat)
     if dist.get_backend(group) == "nccl":
         shard = flat.new_empty(info.shard_numel)
-        work = dist.reduce_scatter_tensor(shard, flat.contiguous(), group=group, async_op=async_op)
+        work = D.reduce_scatter_single(shard, flat.contiguous(), group=group, async_op=async_op)
         return PendingShard(info, shard, work)
     flat = flat.contiguous() if owned else flat.clone()  # gloo has no reduce-scatter
     return PendingShard(info, flat, dist.all_reduce(flat, group=group, async_op=async_op), whole=True)

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from fmoe.stages.torch_dist import all_gather_single, reduce_scatter_single  # noqa: F401 - re-exported
+
 FAILURE_KEY = "fmoe/pipeline_failure"
 POLL_S = 0.02
 DEFAULT_TIMEOUT_S = 600.0  # library default; a recipe sets its own (parallel.timeout_s)

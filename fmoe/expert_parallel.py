@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fmoe import dist as D
 from fmoe import runner
 from fmoe.stages import moe
 from fmoe.stages.spec import Model, RoutedTokens, StageContext
@@ -150,7 +151,7 @@ def ep_step(
     if ep > 1:
         _all_reduce_sum(grads, [n for n in grads if n not in model.expert_params], ep_group)
         gathered = local_losses.new_empty(ep * num_microbatches)
-        dist.all_gather_into_tensor(gathered, local_losses, group=ep_group)
+        D.all_gather_single(gathered, local_losses, group=ep_group)
         all_losses = list(gathered.unbind())
         for layer in sorted(loads):
             dist.all_reduce(loads[layer], group=ep_group)

@@ -12,9 +12,9 @@ import bisect
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch import Tensor
 
+from fmoe import dist as D
 from fmoe import pipeline, runner
 from fmoe.collectives import PendingShard, scaled_grad, start_reduce
 from fmoe.mesh import Mesh
@@ -207,9 +207,7 @@ class UnitGathers:
                 out.copy_(src)
                 continue
             group = self.mesh.group(info.group)
-            self.gathering[name] = dist.all_gather_into_tensor(
-                out, src.contiguous(), group=group, async_op=True
-            )
+            self.gathering[name] = D.all_gather_single(out, src.contiguous(), group=group, async_op=True)
 
     def before(self, k: int) -> None:
         """``runner.StepHooks.before``: start step k's prefetches, wait for what it reads."""

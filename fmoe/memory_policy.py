@@ -53,7 +53,7 @@ parallel gathers, the router's all-reduced counts) stay matched across the group
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free: a recipe is read without it
@@ -88,6 +88,11 @@ def memory_table(table: Any) -> Any:
     if not isinstance(table, dict):
         return table
     given = [k for k in POLICY_FIELDS if k in table]
+    if table.get("policy") == "auto":
+        # a field at its default picks nothing over the plan: what a policy written back in full
+        # (``dataclasses.asdict``, a saved recipe) holds, so it reads back as the same "auto"
+        defaults = {f.name: f.default for f in fields(MemoryPolicy)}
+        given = [k for k in given if _as_written(table[k]) != defaults[k]]
     if table.get("policy") == "auto" and given:
         raise ValueError(
             f"memory.policy = 'auto' picks the memory policy itself, but memory.{given[0]} is set: "
@@ -96,6 +101,10 @@ def memory_table(table: Any) -> Any:
     if "policy" in table:
         return table
     return {**table, "policy": "explicit" if given else "auto"}
+
+
+def _as_written(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value  # TOML arrays are lists
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,11 @@ def summary(
     """The compact block ``fmoe train`` prints at its start (rank 0) and keeps in memory_plan.txt:
     the layout, the limit, the policy (and whether "auto" chose it) and its modelled time cost."""
     limit = "no limit" if limit_bytes is None else f"{human(limit_bytes)} per device"
-    policy = policy_text(plan.policy) if cost is None else choice_text(plan.policy, cost, auto)
+    policy = (
+        policy_text(plan.policy)
+        if cost is None
+        else choice_text(plan.policy, cost, auto, limit_bytes is not None)
+    )
     head = f"memory plan, {layout_name(plan)} ({plan.schedule}, bubble {plan.bubble:.3f}), {limit}, {policy}:"
     if not plan.activations_planned:
         head += " (activations not planned: fmoe.plan has no formulas for this family)"
@@ -89,20 +93,19 @@ def policy_text(policy: MemoryPolicy) -> str:
             f"offload {'on' if policy.offload else 'off'}")  # fmt: skip
 
 
-def choice_text(policy: MemoryPolicy, cost: TimeCost, auto: bool) -> str:
-    """The policy, who chose it and its modelled cost, in one phrase."""
-    who = (
-        " (chosen by memory.policy = 'auto': the fastest that fits; within 1% of it, the smallest peak)"
-        if auto
-        else ""
-    )
+def choice_text(policy: MemoryPolicy, cost: TimeCost, auto: bool, limited: bool = True) -> str:
+    """The policy, who chose it and its modelled cost, in one phrase. limited: whether the device
+    has a memory limit (without one "auto" takes the fastest, ``fmoe.plan_policy.choose``)."""
+    rule = "the fastest that fits; within 1% of it, the smallest peak" if limited else "no limit, the fastest"
+    who = f" (chosen by memory.policy = 'auto': {rule})" if auto else ""
     return f"{policy_text(policy)}{who}, {cost.text()}"
 
 
 def _policy_cells(choice: PolicyChoice) -> str:
     p, cost = choice.policy, choice.cost
     recompute = p.recompute + ("*" if p.recompute_roles else "")  # *: some roles only
-    window = "step" if p.merge_window == 0 else str(p.merge_window)
+    # a pipeline runs W where its table says: a merge window applies at pp = 1 only
+    window = "-" if choice.plan.pp > 1 else "step" if p.merge_window == 0 else str(p.merge_window)
     time = f"+{100 * cost.fraction:.1f}%" if cost.modelled else "?"
     return f"{recompute:<9} {window:>6} {'on' if p.offload else 'off':>7} {time:>7}"
 

@@ -250,7 +250,10 @@ class TimeCost:
     def text(self) -> str:
         if not self.modelled:
             return "time not modelled for this family"
-        return f"+{100 * self.fraction:.1f}% time per layer ({self.extra_ms_per_layer:.2f} ms per layer and step)"
+        # the rates are the shipped H200's whatever device the run is on: said, so a CPU run's line
+        # is not read as its own time
+        return (f"+{100 * self.fraction:.1f}% time per layer at H200 rates "
+                f"({self.extra_ms_per_layer:.3g} ms per layer and step)")  # fmt: skip
 
 
 def policy_time(

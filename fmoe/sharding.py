@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fmoe import dist as D
 from fmoe.expert_parallel import expert_range
 from fmoe.mesh import Mesh
 from fmoe.stages.spec import Model
@@ -200,7 +201,7 @@ def _local_full(name: str, shard: Tensor, info: ShardInfo, mesh: Mesh) -> Tensor
     full = shard
     if info.size > 1:
         full = shard.new_empty(info.padded_numel)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=mesh.group(info.group))
+        D.all_gather_single(full, shard.contiguous(), group=mesh.group(info.group))
     full = info.unpad(full)
     if _ep_split(info.expert, mesh.ep):
         parts = [torch.empty_like(full) for _ in range(mesh.ep)]

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from fmoe.stages.layers import unpermute_rows
 from fmoe.stages.primitives import linear
+from fmoe.stages.torch_dist import all_gather_single
 
 __all__ = [
     "DispatchPlan",
@@ -221,7 +222,7 @@ def _all_gather(t: Tensor, group) -> Tensor:
     if group is None:
         return t[None]
     out = t.new_empty((group_size(group) * t.numel(),))
-    dist.all_gather_into_tensor(out, t.contiguous().view(-1), group=group)
+    all_gather_single(out, t.contiguous().view(-1), group=group)
     return out.view(group_size(group), *t.shape)
 
 

@@ -133,8 +133,14 @@ def _plan_policy(memory, args: argparse.Namespace):
         return memory
     try:
         return dataclasses.replace(memory, policy="explicit", **changes)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    except (
+        ValueError
+    ) as err:  # named as the flag that set it: "MemoryPolicy.merge_window" -> "--merge-window"
+        flagged = [(f"MemoryPolicy.{k}", "--" + k.replace("_", "-")) for k in changes]
+        text = str(err)
+        for field_name, flag in flagged:
+            text = text.replace(field_name, flag)
+        raise UsageError(text) from None
 
 
 def _shown_layout(args, recipe, choices, limit, pick):

@@ -35,7 +35,17 @@ from fmoe.stages.spec import Model
 from fmoe.train_data import check_dataset_tokenizer, open_dataset
 from fmoe.train_state import agree_on_resume_point
 
-__all__ = ["Run", "backend", "check_memory_plan", "pick_device", "place", "schedule", "setup", "setup_mesh"]
+__all__ = [
+    "Run",
+    "backend",
+    "check_memory_plan",
+    "note_fp8_without_blocks",
+    "pick_device",
+    "place",
+    "schedule",
+    "setup",
+    "setup_mesh",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,6 +90,7 @@ def setup(recipe: Recipe, stack: contextlib.ExitStack) -> Run:
     model = fam.build(cfg)
     table = schedule(recipe, mesh)
     shapes = fam.param_shapes(cfg)
+    note_fp8_without_blocks(recipe, shapes, mesh.rank)
     names = list(shapes)
     local = pipeline.local_param_names(model, table, rank=mesh.coords["pp"]) if table is not None else names
     infos = sharding.layout(model, mesh, shapes, local)
@@ -87,6 +98,17 @@ def setup(recipe: Recipe, stack: contextlib.ExitStack) -> Run:
     memory = check_memory_plan(recipe, model, shapes, table, mesh, device)
     return Run(family=fam, model=model, mesh=mesh, device=device, dtype=dtype, table=table, shapes=shapes,
                infos=infos, gathers=gathers, dataset=dataset, resume_from=resume_from, memory=memory)  # fmt: skip
+
+
+def note_fp8_without_blocks(recipe: Recipe, shapes: dict, rank: int) -> None:
+    """With ``train.fp8``, rank 0 says so when no weight can run as an FP8 GEMM: FP8 quantizes weights
+    in 128 x 128 blocks (``fmoe.stages.fp8_mode``), so a weight runs in FP8 only where both its last
+    dims are multiples of 128. The run goes on in the compute dtype (a setting that does nothing
+    must not pass in silence; some weights qualifying is the model's own choice, not said)."""
+    blocked = any(len(s) >= 2 and s[-1] % 128 == 0 and s[-2] % 128 == 0 for s in shapes.values())
+    if recipe.train.fp8 and not blocked and rank == 0:
+        print(f"fmoe: train.fp8 is on, but no weight of this model has both dims multiples of 128 (FP8's "
+              f"block size): every GEMM runs in {recipe.train.dtype}", flush=True)  # fmt: skip
 
 
 def pick_device(name: str) -> torch.device:

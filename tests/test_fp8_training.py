@@ -5,6 +5,7 @@ claim DeepSeek-V3's recipe makes), once with the FP8 Triton kernels themselves (
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +299,21 @@ def test_tiny_model_trains_200_steps_with_fp8_within_2_percent_of_the_bf16_loss(
     assert losses[True] != losses[False], "the FP8 run must differ from the BF16 run"
     assert bf16_loss < losses[False][0] - 1.0, "the model must actually train"
     assert abs(fp8_loss - bf16_loss) <= 0.02 * bf16_loss, (fp8_loss, bf16_loss)
+
+
+def test_fp8_on_a_model_without_128_blocks_is_said_not_passed_in_silence(capsys):
+    """recipes/tiny.toml (hidden 96): no weight can be an FP8 GEMM, and `fmoe train` says so once;
+    a model with one such weight is not flagged."""
+    from fmoe import recipe as R
+    from fmoe.hf import family
+    from fmoe.train_setup import note_fp8_without_blocks
+
+    recipe = R.load(Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml", {"train.fp8": True})
+    shapes = family(recipe.model_family).param_shapes(recipe.model)
+    note_fp8_without_blocks(recipe, shapes, rank=0)
+    assert "no weight of this model has both dims multiples of 128" in capsys.readouterr().out
+    note_fp8_without_blocks(recipe, {**shapes, "w": (256, 128)}, rank=0)
+    note_fp8_without_blocks(recipe, shapes, rank=1)
+    off = R.load(Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml")
+    note_fp8_without_blocks(off, shapes, rank=0)
+    assert capsys.readouterr().out == ""

@@ -100,3 +100,12 @@ def test_the_plan_takes_the_recipes_policy_and_says_which(capsys):
     args = ["plan", str(REPO / "recipes" / "qwen3_30b_a3b.toml"), "--nproc", "8", "--layout", "1,1,1,8"]
     assert main([*args, "--recompute", "full", "--merge-window", "2", "--offload"]) == 0
     assert "memory: recompute full, merge_window 2, offload on" in capsys.readouterr().out
+
+
+def test_a_bad_plan_flag_is_one_line_naming_the_flag(capsys):
+    from fmoe.cli import main
+
+    args = ["plan", str(REPO / "recipes" / "tiny.toml"), "--nproc", "1", "--merge-window", "-1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--merge-window must be an int >= 0" in err, err

@@ -52,11 +52,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         newest = checkpoint.latest(recipe.checkpoint.dir)
         print(f"fmoe: {e}; the newest checkpoint is {newest}", file=sys.stderr, flush=True)
         return 128 + e.signum
-    if os.environ.get("RANK", "0") != "0":  # torchrun's rank: one closing line per run, rank 0's
-        return 0
-    if result.stopped_by is not None:
+    if result.stopped_by is not None:  # every rank: each says which signal it saw
         print(f"stopped by {result.stopped_by} after step {result.step}: checkpoint {result.checkpoint} "
               f"(the same command resumes from it)")  # fmt: skip
+    elif os.environ.get("RANK", "0") != "0":  # torchrun's rank: one closing line per run, rank 0's
+        return 0
     elif result.losses:
         mfu = "" if result.mfu is None else f", MFU {100 * result.mfu:.1f}%"
         print(

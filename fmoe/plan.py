@@ -11,7 +11,8 @@ bytes; nothing here touches a process group or allocates a tensor. For every ran
                reduce-scatter; ``WorkingSet.UNIT``: the fp32 gradient shards)
   gathered     the parameters gathered in the compute dtype (``STEP``: all of this rank's, for the
                whole step; ``UNIT``: ``working_set.gathered_working_set_bytes``: the step's own gather
-               plan per layer or pipeline chunk, replayed, with the full gradients)
+               plan per layer or pipeline chunk, replayed, with the full gradients); with
+               ``train.fp8``, also the step's FP8 copies of the weights (:func:`fp8_weight_bytes`)
   activations  the most bytes of saved activations in flight: the schedule's rows walked in order,
                each F adding its (micro-batch, chunk)'s bytes and each W / BW / FB's backward half
                freeing them (the simulator's ``peak_activations`` count, weighted by chunk)
@@ -51,6 +52,7 @@ from fmoe.working_set import gathered_working_set_bytes
 
 __all__ = [
     "DTYPE_BYTES",
+    "FP8_BLOCK",
     "GiB",
     "LayoutPlan",
     "RankTerms",
@@ -58,6 +60,7 @@ __all__ = [
     "WorkingSet",
     "candidate_sizes",
     "device_limit_bytes",
+    "fp8_weight_bytes",
     "layouts",
     "master_bytes",
     "micro_batch",
@@ -109,6 +112,26 @@ def _gathered_bytes(info: ShardInfo, compute_bytes: int, uncast: bool) -> int:
     if info.size > 1:
         return info.padded_numel * element
     return 0 if element == FP32 else info.numel * element
+
+
+FP8_BLOCK = 128  # the FP8 weights' block (``fmoe.kernels.fp8_quant``: 128 x 128 scales)
+
+
+def fp8_weight_bytes(infos: Mapping[str, ShardInfo], fp8_dense: bool) -> int:
+    """With ``train.fp8``: the FP8 copies a step makes of its weights (``fmoe.stages.fp8_mode``:
+    each weight quantized once per step, the copy kept to the step's end) - the weight and its
+    transpose in E4M3 (1 byte an element each) and their 128 x 128 block scales (fp32, twice). Counted
+    for every weight whose last two dims are multiples of 128 (the experts'; the dense ones too unless
+    ``train.fp8_dense`` is off): an upper bound, for the embedding, the router and the LM head, which
+    stay in the compute dtype, are counted where their dims allow."""
+    total = 0
+    for info in infos.values():
+        shape = info.full_shape
+        if len(shape) < 2 or shape[-1] % FP8_BLOCK or shape[-2] % FP8_BLOCK:
+            continue
+        if info.expert or fp8_dense:
+            total += 2 * info.numel + 2 * FP32 * (info.numel // FP8_BLOCK**2)
+    return total
 
 
 def step_grads_bytes(
@@ -301,6 +324,8 @@ def _rank_state(
     w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
     if working_set is WorkingSet.STEP:
         gathered = sum(_gathered_bytes(i, e, n in buffers) for n, i in infos.items())
+        if t.fp8:  # the FP8 copies of the gathered weights (FP8 steps gather once a step)
+            gathered += fp8_weight_bytes({n: i for n, i in infos.items() if n not in buffers}, t.fp8_dense)
         grads = step_grads_bytes(infos, e, dp, cp, ep, buffers)
     else:
         gathered = gathered_working_set_bytes(

@@ -5,8 +5,8 @@ inside its stage, is not a view and is read by FP8 linears only keeps that input
 weight gradient (``fmoe.stages.fp8_mode``). :func:`fp8_cache_bytes` is what that changes in a stage's
 saved bytes: each cached input's form (``cached_input_bytes``) in place of its compute-dtype bytes,
 per the stages' code (:func:`fp8_inputs` lists them per family and role). Checked to the byte
-against the saved tensors of a CPU run (tests/test_fp8_cache.py). The FP8 weight copies are not
-planned.
+against the saved tensors of a CPU run (tests/test_fp8_cache.py). The FP8 weight copies are the
+gathered term's (``fmoe.plan.fp8_weight_bytes``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import weakref
 
 import pytest
@@ -382,3 +383,59 @@ def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():
             .activations
         )
     assert acts[False, True] == acts[True, False] > acts[True, True]
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["fp8_dense", "experts_only"])
+def test_the_plans_fp8_weight_copies_bound_what_a_step_quantizes(monkeypatch, dense):
+    """The plan's FP8 weight copies (``plan.fp8_weight_bytes``, in the gathered term) against the
+    bytes of every FP8 weight a trainer step makes (data, scales and their transposes): never less,
+    and less than 1.5x (the bound counts the embedding, router and LM head where dims allow)."""
+    from fmoe import plan
+    from fmoe.stages import fp8_mode
+
+    made = []
+    real = fp8_mode._quantize_weight
+
+    def counting(w):
+        made.append(real(w))
+        return made[-1]
+
+    monkeypatch.setattr(fp8_mode, "_quantize_weight", counting)
+    cfg = fp8_config(vocab_size=256)  # the embedding and LM head in 128-blocks too: counted by the bound
+    model = qwen3_moe.build(cfg)
+    mesh = build_mesh(1, 1, 1, 1)
+    shapes = qwen3_moe.param_shapes(cfg)
+    infos = sharding.layout(model, mesh, shapes, list(shapes))
+    shards = sharding.shard_canonical(model.init(seed=2), infos, mesh)
+    batch = random_batch(cfg, 2, 128, seed=1)
+    parallel.parallel_step(
+        model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True, fp8_dense=dense
+    )
+    quantized = sum(
+        t.numel() * t.element_size() for w in made for t in (w.data, w.scale, w.data_t, w.scale_t)
+    )
+    planned = plan.fp8_weight_bytes(infos, dense)
+    assert made and quantized <= planned < 1.5 * quantized, (quantized, planned)
+    # the formula, computed here from the shapes: 2 bytes an element and two fp32 scales a block
+    blocks = [s for n, s in shapes.items() if len(s) >= 2 and s[-1] % 128 == 0 and s[-2] % 128 == 0
+              and (dense or n in model.expert_params)]  # fmt: skip
+    assert planned == sum(2 * math.prod(s) + 8 * math.prod(s) // 128**2 for s in blocks)
+
+
+def test_the_plan_counts_the_fp8_weight_copies_in_gathered():
+    from pathlib import Path
+
+    from fmoe import plan
+    from fmoe.hf import family as family_module
+
+    r = recipe.load(Path(__file__).resolve().parents[1] / "recipes" / "qwen3_30b_a3b.toml")
+    fam = family_module(r.model_family)
+    model, shapes = fam.build(r.model), fam.param_shapes(r.model)
+    policy = MemoryPolicy(merge_window=1)
+    gathered = {
+        fp8: plan.plan_layout(dataclasses.replace(r, train=dataclasses.replace(r.train, fp8=fp8)), model, shapes,
+                              (1, 1, 1, 1), policy=policy).stage_terms[0].gathered
+        for fp8 in (False, True)
+    }  # fmt: skip
+    infos = sharding.layout(model, build_mesh(1, 1, 1, 1), shapes, list(shapes))
+    assert gathered[True] - gathered[False] == plan.fp8_weight_bytes(infos, True) > 0

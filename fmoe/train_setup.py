@@ -166,9 +166,10 @@ def setup_mesh(recipe: Recipe, device: torch.device | None = None) -> Mesh:
                     global_batch=t.global_batch)  # fmt: skip
     except MeshError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None
+    device = device if device is not None else pick_device(recipe.train.device)
+    chosen = backend(recipe, device)  # one process too: a backend the run could not use is refused
     if world > 1 and not dist.is_initialized():
-        device = device if device is not None else pick_device(recipe.train.device)
-        D.init_from_env(backend(recipe, device), timeout_s=p.timeout_s, device=device)
+        D.init_from_env(chosen, timeout_s=p.timeout_s, device=device)
     return build_mesh(p.pp, p.dp, p.cp, p.ep)
 
 

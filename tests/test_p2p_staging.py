@@ -87,6 +87,13 @@ def test_fmoe_train_refuses_nccl_on_shared_gpus_before_the_process_group_in_one_
     assert_one_line_error(code, err, "parallel.backend = 'nccl'", "use parallel.backend = 'gloo'")
 
 
+def test_fmoe_train_refuses_nccl_on_the_cpu_on_one_process_too(tmp_path, dataset, capsys):
+    from test_cli_errors import assert_one_line_error, train_cli
+
+    code, err, _ = train_cli(tmp_path, dataset, capsys, train={"device": "cpu"}, parallel={"backend": "nccl"})
+    assert_one_line_error(code, err, "parallel.backend = 'nccl' needs CUDA devices", "use 'gloo'")
+
+
 def test_parallel_backend_is_validated_by_name_and_round_trips(tmp_path, dataset):
     with pytest.raises(R.RecipeError, match=r"parallel.backend must be 'auto', 'nccl' or 'gloo', got 'NCCL'"):
         R.from_dict(recipe_dict(tmp_path, dataset, parallel={"backend": "NCCL"}))

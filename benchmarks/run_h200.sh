@@ -5,6 +5,7 @@
 #                                                # the GPU test tier (memory policies included)
 #   OUT=/tmp/out benchmarks/run_h200.sh policies [SIDES]  # per-layer table, 4 and 8 layers: eager, fmoe
 #                                                # (with graphs), and each memory policy, side by side
+#   OUT=/tmp/out benchmarks/run_h200.sh deepseek # DeepSeek-V3-16B layers, bf16 and FP8, 4 and 8 layers
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +33,12 @@ policies)  # the memory policies side by side with eager and fmoe, at 4 (with a 
     --out "$OUT/policies_L4.json" 2>&1 | grep -E "ms/step|Error|error"
   timeout 300 python3 -m benchmarks.train_throughput --layers 8 $QWEN --sides ${2:-$SIDES} \
     --out "$OUT/policies_L8.json" 2>&1 | grep -E "ms/step|Error|error"
+  ;;
+deepseek)  # issue 26's DeepSeek-V3-16B rows: bf16 and FP8 with graphs, 4 and 8 layers in one call
+  for L in 4 8; do
+    timeout 250 python3 -m benchmarks.train_throughput --recipe recipes/deepseek_v3_16b_a3b.toml --layers $L \
+      $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/deepseek_v3_16b_L$L.json" 2>&1 | grep -E "ms/step|Error"
+  done
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

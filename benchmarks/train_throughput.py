@@ -2,6 +2,8 @@
 
     python -m benchmarks.train_throughput --layers 4 --out benchmarks/results/throughput_h200.json
     python -m benchmarks.train_throughput --device cpu --tiny        # CPU smoke run (tests use it)
+    python -m benchmarks.train_throughput --recipe recipes/deepseek_v3_16b_a3b.toml --layers 4 \
+        --sides fmoe_graphs,fmoe_fp8_graphs                          # another recipe's model, fmoe sides
 
 Both sides train the same model (hidden 2048, 32/4 heads of 128, 128 experts, top-8,
 moe_intermediate 768, vocab 151936, sequence 4096, micro-batch 1, bf16 compute, fp32 master weights,
@@ -156,9 +158,9 @@ def eager_step_fn(cfg, device, dtype):
 # fmoe
 
 
-def fmoe_fp8_step_fn(cfg, device, dtype, memory: MemoryPolicy | None = None):
+def fmoe_fp8_step_fn(cfg, device, dtype, memory: MemoryPolicy | None = None, family=qwen3_moe.FAMILY):
     """fmoe with its FP8 GEMMs (attention projections and experts; router and head stay bf16)."""
-    return fmoe_step_fn(cfg, device, dtype, fp8=True, memory=memory)
+    return fmoe_step_fn(cfg, device, dtype, fp8=True, memory=memory, family=family)
 
 
 # fmoe with one of its speed-ups taken out (or, last, FP8 for the expert GEMMs alone), to measure
@@ -293,12 +295,13 @@ def fmoe_step_fn(
     fp8_dense: bool = True,
     cuda_graphs: bool = False,
     memory: MemoryPolicy | None = None,
+    family=qwen3_moe.FAMILY,
 ):
     from fmoe.cuda_graphs import GraphedStep
     from fmoe.stages import layers
     from fmoe.stages.primitives import fp8_training
 
-    model = qwen3_moe.build(cfg)
+    model = family.build(cfg)
     params = model.init(seed=0, dtype=torch.float32, device=device)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1))
     state = {"opt": tx.init(params), "params": params}
@@ -359,6 +362,11 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument(
+        "--recipe",
+        default=None,
+        help="the model of this recipe, cut to --layers (fmoe sides only; e.g. recipes/deepseek_v3_16b_a3b.toml)",
+    )
+    ap.add_argument(
         "--sides",
         default="eager,fmoe",
         help="comma list of: eager, fmoe, fmoe_fp8, " + ", ".join(FMOE_VARIANTS),
@@ -389,7 +397,17 @@ def main(argv=None) -> dict:
         policy = MemoryPolicy(args.merge_window, args.recompute, roles)
     except ValueError as e:
         ap.error(str(e).replace("MemoryPolicy.", "--").replace("_", "-"))
-    cfg = qwen3_moe.Qwen3MoeConfig(num_hidden_layers=args.layers, **(TINY if args.tiny else SHAPE))
+    family = qwen3_moe.FAMILY
+    if args.recipe is not None:  # another family's real shapes (the eager side is Qwen3's module)
+        from fmoe import recipe as R
+
+        chosen = R.load_model(args.recipe)
+        family = R.model_family(chosen.model_family)
+        cfg = dataclasses.replace(chosen.model, num_hidden_layers=args.layers)
+        if "eager" in args.sides.split(","):
+            ap.error("--sides: eager is a Qwen3 module; with --recipe, fmoe sides only")
+    else:
+        cfg = qwen3_moe.Qwen3MoeConfig(num_hidden_layers=args.layers, **(TINY if args.tiny else SHAPE))
     seq = 32 if args.tiny else args.seq
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -400,7 +418,7 @@ def main(argv=None) -> dict:
     m = args.microbatches * args.micro_batch  # sequences per step
     tokens = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
     labels = torch.randint(0, cfg.vocab_size, (m, seq), generator=gen).to(args.device)
-    flops = m * seq * qwen3_moe.train_flops_per_token(cfg, seq)
+    flops = m * seq * family.train_flops_per_token(cfg, seq)
     sides = [side.strip() for side in args.sides.split(",") if side.strip()]
     known = ["eager", "fmoe", "fmoe_fp8", *FMOE_VARIANTS]
     unknown = [side for side in sides if side not in known]
@@ -413,7 +431,13 @@ def main(argv=None) -> dict:
         "microbatches_per_step": args.microbatches,
         "dtype": str(dtype),
         "memory": dataclasses.asdict(policy),  # of the fmoe sides that do not set their own
-        **(TINY if args.tiny else SHAPE),
+        **(
+            {"recipe": args.recipe, **dataclasses.asdict(cfg)}
+            if args.recipe
+            else TINY
+            if args.tiny
+            else SHAPE
+        ),
     }
 
     def record(results: dict, pending: list[str]) -> dict:
@@ -435,12 +459,14 @@ def main(argv=None) -> dict:
     results = {}
     for i, side in enumerate(sides):
         if side in FMOE_VARIANTS:
-            step = fmoe_step_fn(cfg, args.device, dtype, **{"memory": policy, **FMOE_VARIANTS[side]})
+            step = fmoe_step_fn(
+                cfg, args.device, dtype, family=family, **{"memory": policy, **FMOE_VARIANTS[side]}
+            )
         elif side == "eager":
             step = eager_step_fn(cfg, args.device, dtype)
         else:
             make = {"fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
-            step = make(cfg, args.device, dtype, memory=policy)
+            step = make(cfg, args.device, dtype, memory=policy, family=family)
         step = functools.partial(step, micro_batch=args.micro_batch)
         ms = time_ms(
             lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device

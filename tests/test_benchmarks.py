@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,18 @@ def test_throughput_benchmark_runs_on_cpu_for_fmoe_and_the_eager_baseline(tmp_pa
         own = [f["own_ms"] for f in host["top_own_time"]]
         assert own == sorted(own, reverse=True) and all(f["calls"] >= 1 for f in host["top_own_time"])
     assert result["results"]["fmoe_over_eager"] > 0
+
+
+def test_throughput_benchmark_takes_another_familys_recipe(tmp_path):
+    """--recipe: the fmoe sides on a recipe's model cut to --layers (DeepSeek-V3 here), its FLOPs from
+    its family; the eager side, a Qwen3 module, is refused beside it."""
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "deepseek_v3_tiny.toml")
+    args = ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--layers", "2", "--recipe", recipe]
+    result = train_throughput.main([*args, "--sides", "fmoe"])
+    assert result["shape"]["recipe"] == recipe and result["shape"]["num_hidden_layers"] == 2
+    assert result["shape"]["kv_lora_rank"] and result["results"]["fmoe"]["model_tflops"] > 0
+    with pytest.raises(SystemExit):
+        train_throughput.main([*args, "--sides", "eager,fmoe"])
 
 
 def test_throughput_benchmark_variants_run_on_cpu(tmp_path):

@@ -33,7 +33,6 @@ does not do).
 
 import functools
 import importlib
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -327,28 +326,6 @@ def choose_backend(
     return requested
 
 
-# cuBLAS calls that torch refused at run time (its argument checks raise before the GEMM launches;
-# at most the scale padding ran, its output unread): GEMM kind -> torch's message. ``auto`` then
-# keeps that kind on Triton for the rest of the process (and warns once); an explicit
-# ``backend="cublas"`` raises.
-CUBLAS_REFUSED: dict[str, str] = {}
-
-
-def _cublas_kind(wgrad: bool) -> str:
-    return "weight gradient" if wgrad else "forward / input gradient"
-
-
-def _cublas_or_triton(kind: str, explicit: bool, cublas_call, triton_call) -> Tensor:
-    try:
-        return cublas_call()
-    except (RuntimeError, ValueError, NotImplementedError) as e:
-        if explicit:
-            raise
-        CUBLAS_REFUSED[kind] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"cuBLAS refused the FP8 {kind} GEMM, Triton runs it from now on: {e}", stacklevel=3)
-        return triton_call()
-
-
 def _backend(
     backend: str | None, a: Tensor, b: Tensor, out_dtype: torch.dtype, grouped: bool, wgrad: bool = False
 ) -> str:
@@ -356,7 +333,6 @@ def _backend(
     a: [M, K] (wgrad: [M, cap]); b: [(experts,) N, K] (wgrad: [N, cap])."""
     requested = backend or kernel_backend()
     others = requested in ("auto", "cublas", "deep_gemm")  # may take cuBLAS or deep_gemm
-    refused = backend is None and _cublas_kind(wgrad) in CUBLAS_REFUSED
     return choose_backend(
         requested,
         explicit=backend is not None,
@@ -367,7 +343,7 @@ def _backend(
         grouped=grouped,
         out_dtype=out_dtype,
         triton_runs=HAS_TRITON and (a.is_cuda or interpreting()) and (requested == "triton" or use_triton(a)),
-        cublas_here=others and not refused and cublas_available(a.device),
+        cublas_here=others and cublas_available(a.device),
         deep_gemm_here=others and a.is_cuda and _deep_gemm() is not None,
     )
 
@@ -440,12 +416,7 @@ def fp8_gemm_nt(
     if which == "torch":
         return fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
     if which == "cublas":  # M, N, K > 0 (cublas_supports)
-        return _cublas_or_triton(
-            _cublas_kind(False),
-            backend is not None,
-            lambda: cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype),
-            lambda: fp8_gemm_nt(a, b, b_scale, offs, out_dtype=out_dtype, backend="triton", config=config),
-        )
+        return cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype)
     out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
     if M == 0 or N == 0:
         return out
@@ -506,12 +477,7 @@ def fp8_gemm_wgrad(
     if which == "torch":
         out = fp8_gemm_wgrad_reference(a, b, out_dtype=out_dtype)
     elif which == "cublas":
-        return _cublas_or_triton(
-            _cublas_kind(True),
-            backend is not None,
-            lambda: cublas_gemm_wgrad(a, b, out_dtype=out_dtype),
-            lambda: fp8_gemm_wgrad(a, b, grouped=False, out_dtype=out_dtype, backend="triton", config=config),
-        )
+        return cublas_gemm_wgrad(a, b, out_dtype=out_dtype)
     else:
         out = torch.empty(E, M, N, dtype=out_dtype, device=a.data.device)
         if out.numel() > 0:

@@ -151,15 +151,24 @@ def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
         assert any(n.endswith(name) for n in changed), (name, changed)
 
 
-def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
-    # parallel_step (fmoe train's step) opens the caching from memory.fp8_cache
-    cfg = fp8_config()
+def one_process(cfg):
+    """What ``parallel.parallel_step`` takes on one process: model, mesh, layout, shards, a batch."""
     model = qwen3_moe.build(cfg)
     mesh = build_mesh(1, 1, 1, 1)
     shapes = qwen3_moe.param_shapes(cfg)
     infos = sharding.layout(model, mesh, shapes, list(shapes))
-    shards = sharding.shard_canonical(model.init(seed=2), infos, mesh)
-    batch = random_batch(cfg, 2, 128, seed=1)
+    return (
+        model,
+        mesh,
+        infos,
+        sharding.shard_canonical(model.init(seed=2), infos, mesh),
+        random_batch(cfg, 2, 128, seed=1),
+    )
+
+
+def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
+    # parallel_step (fmoe train's step) opens the caching from memory.fp8_cache
+    model, mesh, infos, shards, batch = one_process(fp8_config())
     kinds = cached_kinds(monkeypatch)
     out = {}
     for cache in (True, False):
@@ -276,8 +285,9 @@ def test_fp8_cache_reaches_the_recipe_round_trips_and_a_bad_value_names_its_fiel
         recipe.from_dict({**data, "memory": {"fp8_cache": 1}}, "r.toml")
 
 
-def _saved_per_stage(model, params, batch, cache: Fp8Caching | None) -> list[int]:
-    """Bytes each stage's F saves for B (distinct storages, parameters left out), one micro-batch."""
+def saved_per_stage(model, params, batch, cache: Fp8Caching | None) -> list[int]:
+    """Bytes each stage's F saves for B (distinct storages, parameters left out), one micro-batch
+    (tests/test_fp8_cache_cuda.py runs it on the GPU)."""
     param_storages = {t.untyped_storage().data_ptr() for t in params.values()}
     carry, out = (), []
     flags = dict(cache_inputs=cache.dense, cache_expert_inputs=cache.experts) if cache else {}
@@ -326,7 +336,7 @@ def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage(family):
     batch = runner.with_positions(random_batch(cfg, 2, 128))
     caching = Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, model.num_experts)
     assert caching == Fp8Caching(dense=True, experts=True, local_experts=4)
-    without, with_cache = (_saved_per_stage(model, params, batch, c) for c in (None, caching))
+    without, with_cache = (saved_per_stage(model, params, batch, c) for c in (None, caching))
     formulas = plan_activations.ACTIVATION_FORMULAS[family]
     moe = plan_activations.moe_stages(model)
     planned = [
@@ -401,13 +411,10 @@ def test_the_plans_fp8_weight_copies_bound_what_a_step_quantizes(monkeypatch, de
         return made[-1]
 
     monkeypatch.setattr(fp8_mode, "_quantize_weight", counting)
-    cfg = fp8_config(vocab_size=256)  # the embedding and LM head in 128-blocks too: counted by the bound
-    model = qwen3_moe.build(cfg)
-    mesh = build_mesh(1, 1, 1, 1)
+    # the embedding and LM head in 128-blocks too: counted by the bound
+    cfg = fp8_config(vocab_size=256)
+    model, mesh, infos, shards, batch = one_process(cfg)
     shapes = qwen3_moe.param_shapes(cfg)
-    infos = sharding.layout(model, mesh, shapes, list(shapes))
-    shards = sharding.shard_canonical(model.init(seed=2), infos, mesh)
-    batch = random_batch(cfg, 2, 128, seed=1)
     parallel.parallel_step(
         model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True, fp8_dense=dense
     )

@@ -11,16 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_batch, tiny_config
+from test_fp8_cache import saved_per_stage
 
 from fmoe import runner
-from fmoe import stage as S
 from fmoe.kernels import fp8_quant
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.plan_activations import moe_stages
 from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes
 from fmoe.stages import qwen3_moe
 from fmoe.stages.primitives import fp8_training
-from fmoe.stages.spec import StageContext
 
 pytestmark = [
     pytest.mark.cuda,
@@ -86,31 +85,12 @@ def test_each_stage_saves_the_bytes_the_plan_says_on_the_gpu():
     params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=1, device="cuda").items()}
     batch = runner.with_positions({k: v.cuda() for k, v in random_batch(cfg, 2, 256, seed=5).items()})
     caching = Fp8Caching(dense=True, experts=True, local_experts=cfg.num_experts)
-    param_storages = {t.untyped_storage().data_ptr() for t in params.values()}
-    saved_per_stage = {}
-    for cache in (False, True):
-        carry, out = (), []
-        with fp8_training(True, cache_inputs=cache, cache_expert_inputs=cache):
-            for stage in model.stages:
-                saved: dict[int, int] = {}
-
-                def pack(t, saved=saved):
-                    if t.untyped_storage().data_ptr() not in param_storages:
-                        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    outputs, _ = S.forward(
-                        stage, params, runner.stage_inputs(stage, carry, batch), StageContext()
-                    )
-                carry, _ = runner.split_outputs(stage, outputs)
-                out.append(sum(saved.values()))
-        saved_per_stage[cache] = out
+    without, with_cache = (saved_per_stage(model, params, batch, c) for c in (None, caching))
     moe = moe_stages(model)
     planned = [
         fp8_cache_bytes("qwen3_moe", cfg, st.role, i in moe, 512, 2, caching)
         for i, st in enumerate(model.stages)
     ]
-    measured = [c - n for c, n in zip(saved_per_stage[True], saved_per_stage[False])]
+    measured = [c - n for c, n in zip(with_cache, without)]
     assert measured == planned, [(st.name, m, p) for st, m, p in zip(model.stages, measured, planned)]
     assert sum(planned) < 0

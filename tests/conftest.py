@@ -35,6 +35,19 @@ def tiny_config(**overrides) -> qwen3_moe.Qwen3MoeConfig:
     return qwen3_moe.Qwen3MoeConfig(**fields)
 
 
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The GPU tier's tests run the compiled kernels: not the interpreter, not the torch backend
+    (``pytestmark = [..., pytest.mark.usefixtures("compiled_kernels")]``)."""
+    from fmoe.kernels._triton import interpreting, use_triton
+
+    monkeypatch.delenv("FMOE_KERNEL_BACKEND", raising=False)
+    if interpreting():
+        pytest.fail("TRITON_INTERPRET=1: run the cuda tier as `TRITON_INTERPRET=0 python3 -m pytest -m cuda`")
+    assert use_triton(torch.empty(1, device="cuda"))
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references are float32, not tf32
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> str:
     """A byte-tokenized dataset of 200 kB of the standard library's docstrings, built once; tests

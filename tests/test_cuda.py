@@ -23,22 +23,11 @@ import torch.nn.functional as F
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("compiled_kernels"),
 ]
 
 BF16_ULP = 2.0**-8  # one unit in the last place of bf16, relative
 F32_EPS = 2.0**-24
-
-
-@pytest.fixture(autouse=True)
-def compiled_kernels(monkeypatch):
-    """Every test here runs the compiled kernels: not the interpreter, not the torch backend."""
-    from fmoe.kernels._triton import interpreting, use_triton
-
-    monkeypatch.delenv("FMOE_KERNEL_BACKEND", raising=False)
-    if interpreting():
-        pytest.fail("TRITON_INTERPRET=1: run the cuda tier as `TRITON_INTERPRET=0 python3 -m pytest -m cuda`")
-    assert use_triton(torch.empty(1, device="cuda"))
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references are float32, not tf32
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -36,21 +36,12 @@ from fmoe.kernels.fp8_cublas import cublas_available
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("compiled_kernels"),
 ]
 
 F32, BF16 = torch.float32, torch.bfloat16
 U32 = 2.0**-24
 MMA_BLOCK_REL = 2.0**-6
-
-
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    from fmoe.kernels._triton import interpreting
-
-    monkeypatch.delenv("FMOE_KERNEL_BACKEND", raising=False)
-    if interpreting():
-        pytest.fail("TRITON_INTERPRET=1: run as `TRITON_INTERPRET=0 python3 -m pytest -m cuda ...`")
-    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 references are float32, not tf32
 
 
 def _hopper() -> bool:

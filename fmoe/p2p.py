@@ -15,8 +15,11 @@ backend and the device the tuples live on):
           the sender (``gloo::IoException ... writev: Bad address``), so every payload goes through
           pinned host buffers, copied on a side CUDA stream (``copy_stream``), not the compute one:
           send: the copy stream waits for the compute stream (the tensors' producers), copies device
-          -> host, records an event; the host waits for that event before posting the send (gloo
-          reads the host buffer from its own thread, so it must hold the values by then);
+          -> host and records an event; the send is posted by the transport's sender thread once
+          that event has completed (gloo reads the host buffer from its own thread, so it must hold
+          the values by then). The compute thread goes on queueing the next micro-batch's kernels
+          meanwhile: the copy overlaps them (the overlap DualPipeV's F&B pairs are made for). One
+          sender thread posts in order, so the peer's receives match the sends one by one;
           receive: the message lands in host buffers; once the receive has completed (its wait
           returned), the copy stream copies them into new device tensors (allocated on the copy
           stream, ``record_stream``-ed for the compute stream that reads them) and records an event
@@ -28,12 +31,14 @@ and is kept per (peer, shape, dtype) for the next transfer of that key. A send's
 the pool when the send has been waited on (gloo reads them no more); a receive's when their copies
 to the device have been issued, together with those copies' event, which the next taker waits for
 before gloo writes into the buffer. So no buffer is written while a send or a device copy still
-reads it. The pool lives as long as its Channel (one step).
+reads it. The pool lives as long as its Channel (one step). A device tensor being sent is read by
+the copy stream after ``send`` returns: it is ``record_stream``-ed there, so the caller may drop it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +54,7 @@ __all__ = [
     "Channel",
     "Direct",
     "Incoming",
+    "Posted",
     "Staged",
     "arrived",
     "copy_stream",
@@ -78,12 +84,17 @@ class Direct:
     def __init__(self, wire: torch.device):
         self.wire = wire
 
-    def outgoing(self, tensors: Sequence[Tensor], peer: int) -> list[Tensor]:
-        """What the send posts for ``tensors`` (contiguous, on ``wire``)."""
-        return list(tensors)
+    def post(self, header: Tensor, tensors: Sequence[Tensor], peer: int, group: dist.ProcessGroup) -> Posted:
+        """Post ``header`` then ``tensors`` (contiguous, on ``wire``) to pipeline rank ``peer``."""
+        gpeer = D.global_rank(group, peer)
+        ops = [dist.P2POp(dist.isend, t, gpeer, group) for t in (header, *tensors)]
+        return Posted(dist.batch_isend_irecv(ops), [header, *tensors])
 
     def sent(self, wire: Sequence[Tensor], peer: int) -> None:
         """The send of ``wire`` has been waited on."""
+
+    def close(self) -> None:
+        """Every send has been waited on (the step's end)."""
 
     def buffers(self, specs: Sequence[tuple[list[int], torch.dtype]], peer: int) -> list[Tensor]:
         """Where a receive of tensors of these (shape, dtype) lands."""
@@ -106,6 +117,8 @@ class Staged:
         self.copies = copy_stream(device) if device.type == "cuda" else None
         self.pool: dict[tuple, list[tuple[Tensor, torch.cuda.Event | None]]] = {}
         self.allocated = 0  # host buffers made (the rest were reused): what the tests count
+        # one thread posts the sends, in order, each once its copy is done (the module docstring)
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fmoe-p2p-send")
 
     def _take(self, peer: int, shape, dtype: torch.dtype) -> Tensor:
         free = self.pool.get((peer, tuple(shape), dtype))
@@ -120,22 +133,26 @@ class Staged:
     def _give(self, buf: Tensor, peer: int, copied: torch.cuda.Event | None = None) -> None:
         self.pool.setdefault((peer, tuple(buf.shape), buf.dtype), []).append((buf, copied))
 
-    def outgoing(self, tensors: Sequence[Tensor], peer: int) -> list[Tensor]:
+    def post(self, header: Tensor, tensors: Sequence[Tensor], peer: int, group: dist.ProcessGroup) -> Posted:
         hosts = [self._take(peer, t.shape, t.dtype) for t in tensors]
+        copied = None
         if self.copies is None:
             for h, t in zip(hosts, tensors):
                 h.copy_(t)
-            return hosts
-        self.copies.wait_stream(torch.cuda.current_stream(self.device))  # the tensors' producers ran
-        with torch.cuda.stream(self.copies):
-            for h, t in zip(hosts, tensors):
-                h.copy_(t, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        # gloo reads the host buffers on its own thread once posted. Waiting here also means the
-        # device tensors are read before this returns, so they need no record_stream.
-        copied.synchronize()
-        return hosts
+        else:
+            self.copies.wait_stream(torch.cuda.current_stream(self.device))  # the tensors' producers ran
+            with torch.cuda.stream(self.copies):
+                for h, t in zip(hosts, tensors):
+                    h.copy_(t, non_blocking=True)
+                    t.record_stream(self.copies)  # the caller may drop it before the copy has read it
+                copied = torch.cuda.Event()
+                copied.record()
+        wire = [header, *hosts]
+        gpeer = D.global_rank(group, peer)
+        return Posted([self.sender.submit(_post_when_copied, copied, wire, gpeer, group)], wire)
+
+    def close(self) -> None:
+        self.sender.shutdown(wait=False)
 
     def sent(self, wire: Sequence[Tensor], peer: int) -> None:
         for h in wire:
@@ -166,6 +183,31 @@ class Staged:
         return out
 
 
+@dataclass
+class Posted:
+    """One tuple's send in flight: ``wait()`` returns once every message of it is on its way (the
+    works gloo or NCCL returned, or, staged, a future of them the sender thread fulfils); ``wire``:
+    the tensors it reads until then (header first)."""
+
+    works: list
+    wire: list[Tensor]
+
+    def wait(self) -> None:
+        for w in self.works:
+            for work in w.result() if isinstance(w, Future) else [w]:
+                work.wait()
+
+
+def _post_when_copied(
+    copied: torch.cuda.Event | None, wire: list[Tensor], gpeer: int, group: dist.ProcessGroup
+) -> list:
+    """On the sender thread: wait for the device -> host copy, then post one isend per tensor (plain
+    isends: gloo has no coalescing, and a coalescing manager's state is per group, not per thread)."""
+    if copied is not None:
+        copied.synchronize()
+    return [dist.isend(t, gpeer, group) for t in wire]
+
+
 def transport(backend: str, device: torch.device) -> Direct | Staged:
     """The transport for a group of ``backend`` carrying tensors that live on ``device``: NCCL
     sends them as they are (on the current CUDA device), gloo CPU tensors as they are and CUDA ones
@@ -189,7 +231,7 @@ class Channel:
     timeout_s: float
     compute: torch.device = torch.device("cpu")
     transport: Direct | Staged | None = None
-    pending: list = field(default_factory=list)  # (works, (header, wire tensors, peer), what)
+    pending: list = field(default_factory=list)  # (Posted, peer, what)
 
     def __post_init__(self) -> None:
         if self.transport is None:
@@ -203,9 +245,9 @@ class Channel:
         D.wait(works, self.group, what, self.rank, self.timeout_s)
 
     def _retire(self, entry) -> None:
-        works, (_, wire, peer), what = entry
-        self.wait(works, what)
-        self.transport.sent(wire, peer)
+        posted, peer, what = entry
+        self.wait([posted], what)
+        self.transport.sent(posted.wire[1:], peer)
 
     def send(self, tensors: tuple, peer: int, what: str) -> None:
         """Post ``tensors`` (None for a missing gradient) to pipeline rank ``peer``."""
@@ -224,12 +266,8 @@ class Channel:
                 raise S.StageError(f"{what}: the carry tuple needs more than {HEADER} header words")
             header[at : at + len(need)] = torch.tensor(need)
             at += len(need)
-        header = header.to(self.device())
-        wire = self.transport.outgoing(payload, peer)
-        gpeer = D.global_rank(self.group, peer)
-        ops = [dist.P2POp(dist.isend, header, gpeer, self.group)]
-        ops += [dist.P2POp(dist.isend, t, gpeer, self.group) for t in wire]
-        self.pending.append((dist.batch_isend_irecv(ops), (header, wire, peer), what))
+        posted = self.transport.post(header.to(self.device()), payload, peer, self.group)
+        self.pending.append((posted, peer, what))
         while len(self.pending) > MAX_IN_FLIGHT:  # bound what in-flight sends keep alive
             self._retire(self.pending.pop(0))
 
@@ -265,6 +303,7 @@ class Channel:
         for entry in self.pending:
             self._retire(entry)
         self.pending.clear()
+        self.transport.close()
 
 
 @dataclass

@@ -180,21 +180,21 @@ def copies_held_back(device: str):
     if device != "cuda":
         yield
         return
-    real = p2p.Staged.outgoing, p2p.Staged.landed
+    real = p2p.Staged.post, p2p.Staged.landed
 
     def held(fn):
-        def run(self, tensors, peer):
+        def run(self, *args):
             with torch.cuda.stream(self.copies):
                 torch.cuda._sleep(50_000_000)
-            return fn(self, tensors, peer)
+            return fn(self, *args)
 
         return run
 
-    p2p.Staged.outgoing, p2p.Staged.landed = held(real[0]), held(real[1])
+    p2p.Staged.post, p2p.Staged.landed = held(real[0]), held(real[1])
     try:
         yield
     finally:
-        p2p.Staged.outgoing, p2p.Staged.landed = real
+        p2p.Staged.post, p2p.Staged.landed = real
 
 
 def two_rank_worker(rank, world, group, device):

@@ -18,8 +18,10 @@ backend and the device the tuples live on):
           -> host and records an event; the send is posted by the transport's sender thread once
           that event has completed (gloo reads the host buffer from its own thread, so it must hold
           the values by then). The compute thread goes on queueing the next micro-batch's kernels
-          meanwhile: the copy overlaps them (the overlap DualPipeV's F&B pairs are made for). One
-          sender thread posts in order, so the peer's receives match the sends one by one;
+          meanwhile: the copy overlaps them (the overlap DualPipeV's F&B pairs are made for). The
+          header is posted at once, on its own tag (``HEADER_TAG``), so the peer learns the shapes
+          and posts its receives without waiting for this rank's GPU; the payloads follow on tag 0
+          from one sender thread, in order: each tag's messages match the peer's receives one by one;
           receive: the message lands in host buffers; once the receive has completed (its wait
           returned), the copy stream copies them into new device tensors (allocated on the copy
           stream, ``record_stream``-ed for the compute stream that reads them) and records an event
@@ -50,6 +52,7 @@ from fmoe import stage as S
 
 __all__ = [
     "HEADER",
+    "HEADER_TAG",
     "MAX_IN_FLIGHT",
     "Channel",
     "Direct",
@@ -62,6 +65,7 @@ __all__ = [
 ]
 
 HEADER = 64
+HEADER_TAG = 1  # staged headers' tag (payloads: 0); NCCL ignores tags, and Direct sends all on 0
 MAX_IN_FLIGHT = 8
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
@@ -80,6 +84,8 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 class Direct:
     """The tensors themselves on the wire: NCCL (``wire`` a CUDA device) or gloo on the CPU."""
+
+    header_tag = 0
 
     def __init__(self, wire: torch.device):
         self.wire = wire
@@ -111,6 +117,7 @@ class Staged:
     CPU ``device`` (what the CPU tests run) the copies are plain and there are no streams."""
 
     wire = torch.device("cpu")
+    header_tag = HEADER_TAG
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -147,9 +154,11 @@ class Staged:
                     t.record_stream(self.copies)  # the caller may drop it before the copy has read it
                 copied = torch.cuda.Event()
                 copied.record()
-        wire = [header, *hosts]
         gpeer = D.global_rank(group, peer)
-        return Posted([self.sender.submit(_post_when_copied, copied, wire, gpeer, group)], wire)
+        told = dist.isend(header, gpeer, group, tag=HEADER_TAG)
+        return Posted(
+            [told, self.sender.submit(_post_when_copied, copied, hosts, gpeer, group)], [header, *hosts]
+        )
 
     def close(self) -> None:
         self.sender.shutdown(wait=False)
@@ -201,8 +210,9 @@ class Posted:
 def _post_when_copied(
     copied: torch.cuda.Event | None, wire: list[Tensor], gpeer: int, group: dist.ProcessGroup
 ) -> list:
-    """On the sender thread: wait for the device -> host copy, then post one isend per tensor (plain
-    isends: gloo has no coalescing, and a coalescing manager's state is per group, not per thread)."""
+    """On the sender thread: wait for the device -> host copy, then post one isend per tensor on tag
+    0 (plain isends: gloo has no coalescing, and a coalescing manager's state is per group, not per
+    thread)."""
     if copied is not None:
         copied.synchronize()
     return [dist.isend(t, gpeer, group) for t in wire]
@@ -277,7 +287,8 @@ class Channel:
         returned ``Incoming`` waits when its consumer first needs the tuple."""
         gpeer = D.global_rank(self.group, peer)
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device())
-        self.wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, gpeer, self.group)]), what)
+        tag = self.transport.header_tag
+        self.wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, header, gpeer, self.group, tag)]), what)
         h = header.tolist()
         specs, dtypes, at = [], [], 1  # dtypes: each tuple entry's (None: a missing gradient)
         for _ in range(h[0]):

@@ -4,6 +4,7 @@ CPU tensors over gloo (the path gloo takes for CUDA tensors, ``fmoe.p2p.Staged``
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -123,9 +124,21 @@ def staging_worker(rank, world, group):
     ]  # fmt: skip
     out = {}
     if rank == 0:
-        for t in tuples:
-            link.send(t, other, "send")
-        link.wait_all()
+        # every payload posted 50 ms late by the sender thread: the headers, posted at once, run
+        # ahead of the payloads, which only their own tag keeps from being received as payloads
+        real_post = p2p._post_when_copied
+
+        def late(*args):
+            time.sleep(0.05)
+            return real_post(*args)
+
+        p2p._post_when_copied = late
+        try:
+            for t in tuples:
+                link.send(t, other, "send")
+            link.wait_all()
+        finally:
+            p2p._post_when_copied = real_post
         out["sent_allocated"] = link.transport.allocated
     else:
         got = [link.recv(other, "recv") for _ in tuples]

@@ -129,7 +129,7 @@ def attention(
     biases = {f"{n}_b": p[f"self_attn.{n}_proj.bias"] for n in "qkvo"} if cfg.attention_bias else {}
     rotary_scaling = {}
     if cfg.rope_scaling is not None:  # YaRN's frequencies and cos/sin factor, as transformers computes them
-        inv_freq, factor = rotary.rotary_inv_freq(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq, factor = rotary.rotary_inv_freq(cfg.head_size, cfg.rope_theta, cfg.rope_scaling, x.device)
         rotary_scaling = {"rotary_inv_freq": inv_freq, "rotary_scale": factor}
     return layers.gqa_attention(
         x, positions, p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"], p["self_attn.v_proj.weight"],

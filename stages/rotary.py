@@ -53,10 +53,14 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def rotary_inv_freq(dim: int, theta: float, rope_scaling: Mapping | None) -> tuple[Tensor, float]:
-    """(inv_freq [dim/2] float32, attention_factor): plain RoPE, or YaRN's blend of interpolated and
-    extrapolated frequencies with its cos/sin magnitude factor (the formulas transformers uses)."""
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+def rotary_inv_freq(
+    dim: int, theta: float, rope_scaling: Mapping | None, device: torch.device | str = "cpu"
+) -> tuple[Tensor, float]:
+    """(inv_freq [dim/2] float32 on ``device``, attention_factor): plain RoPE, or YaRN's blend of
+    interpolated and extrapolated frequencies with its cos/sin magnitude factor (the formulas
+    transformers uses). Made on the device that uses it: a step under CUDA graphs may not copy a
+    host tensor to the device (a graph would replay the copy from memory that is gone)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     if rope_scaling is None:
         return 1.0 / pos_freqs, 1.0
     rs = rope_scaling
@@ -79,7 +83,7 @@ def rotary_inv_freq(dim: int, theta: float, rope_scaling: Mapping | None) -> tup
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     extrapolate = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv_freq, float(attention_factor)
@@ -89,8 +93,8 @@ def rotary_angles(
     positions: Tensor, dim: int, theta: float, rope_scaling: Mapping | None
 ) -> tuple[Tensor, float]:
     """(angles [..., dim/2] float32 for integer ``positions`` [...], attention_factor)."""
-    inv_freq, factor = rotary_inv_freq(dim, theta, rope_scaling)
-    return positions[..., None].to(torch.float32) * inv_freq.to(positions.device), factor
+    inv_freq, factor = rotary_inv_freq(dim, theta, rope_scaling, positions.device)
+    return positions[..., None].to(torch.float32) * inv_freq, factor
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

@@ -471,10 +471,32 @@ def test_graphed_step_names_a_host_sync_it_cannot_capture():
         graphed(x)
 
 
+GRAPHED_MODELS = {
+    "qwen3": dict(
+        family="qwen3_moe", vocab_size=384, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=128, intermediate_size=512, mlp_only_layers=[0], router_aux_loss_coef=0.01,
+    ),
+    # MLA, YaRN (its frequencies once came from the host: a copy no graph may capture), group-limited
+    # routing with the bias update, shared experts; every GEMM dimension a multiple of 128 (FP8)
+    "deepseek_v3": dict(
+        family="deepseek_v3", vocab_size=384, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=128,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, moe_router_bias_update_rate=0.001, max_position_embeddings=16384,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                      "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(GRAPHED_MODELS))
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_fmoe_train_with_cuda_graphs_is_bitwise_the_eager_run(tmp_path, dataset, monkeypatch, fp8):
+def test_fmoe_train_with_cuda_graphs_is_bitwise_the_eager_run(tmp_path, dataset, monkeypatch, fp8, family):
     """`fmoe train` with train.cuda_graphs: the same losses and parameters, bit for bit, as the eager
-    run of the same recipe, and the graph served the steps after its warm-up."""
+    run of the same recipe, and the graph served the steps after its warm-up; for each family whose
+    stages differ (Qwen3; DeepSeek-V3's MLA, YaRN and router)."""
     from fmoe import cuda_graphs
     from fmoe import recipe as R
     from fmoe.train import train
@@ -487,11 +509,7 @@ def test_fmoe_train_with_cuda_graphs_is_bitwise_the_eager_run(tmp_path, dataset,
             made.append(self)
 
     monkeypatch.setattr(cuda_graphs, "GraphedStep", Counting)
-    model = dict(
-        family="qwen3_moe", vocab_size=384, hidden_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=128, intermediate_size=512, mlp_only_layers=[0], router_aux_loss_coef=0.01,
-    )  # fmt: skip
+    model = GRAPHED_MODELS[family]
 
     def run(folder, graphs: bool):
         recipe = {

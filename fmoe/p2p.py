@@ -94,7 +94,7 @@ class Direct:
         """Post ``header`` then ``tensors`` (contiguous, on ``wire``) to pipeline rank ``peer``."""
         gpeer = D.global_rank(group, peer)
         ops = [dist.P2POp(dist.isend, t, gpeer, group) for t in (header, *tensors)]
-        return Posted(dist.batch_isend_irecv(ops), [header, *tensors])
+        return Posted(dist.batch_isend_irecv(ops), header, list(tensors))
 
     def sent(self, wire: Sequence[Tensor], peer: int) -> None:
         """The send of ``wire`` has been waited on."""
@@ -157,7 +157,7 @@ class Staged:
         gpeer = D.global_rank(group, peer)
         told = dist.isend(header, gpeer, group, tag=HEADER_TAG)
         return Posted(
-            [told, self.sender.submit(_post_when_copied, copied, hosts, gpeer, group)], [header, *hosts]
+            [told, self.sender.submit(_post_when_copied, copied, hosts, gpeer, group)], header, hosts
         )
 
     def close(self) -> None:
@@ -195,11 +195,13 @@ class Staged:
 @dataclass
 class Posted:
     """One tuple's send in flight: ``wait()`` returns once every message of it is on its way (the
-    works gloo or NCCL returned, or, staged, a future of them the sender thread fulfils); ``wire``:
-    the tensors it reads until then (header first)."""
+    works gloo or NCCL returned, or, staged, a future of them the sender thread fulfils). ``header``
+    and ``payload`` (the tensors on the wire: the tuple's own, or their host copies) are read until
+    then."""
 
     works: list
-    wire: list[Tensor]
+    header: Tensor
+    payload: list[Tensor]
 
     def wait(self) -> None:
         for w in self.works:
@@ -257,7 +259,7 @@ class Channel:
     def _retire(self, entry) -> None:
         posted, peer, what = entry
         self.wait([posted], what)
-        self.transport.sent(posted.wire[1:], peer)
+        self.transport.sent(posted.payload, peer)
 
     def send(self, tensors: tuple, peer: int, what: str) -> None:
         """Post ``tensors`` (None for a missing gradient) to pipeline rank ``peer``."""

@@ -12,7 +12,8 @@ One run does, in this order, saving the JSON after each part:
 3. every GEMM of a Qwen3-30B-A3B layer, FP8 vs bf16 (``torch.mm``, ``torch._grouped_mm``): attention
    projections over 4096 tokens, expert up (2048 -> 2x768) / down (768 -> 2048) projections over
    131072 routed tokens on 128 experts (multinomial routing: unaligned, uneven groups);
-4. quantization and fused kernels' bandwidth, against a measured device-to-device copy.
+4. quantization and fused kernels' bandwidth, against a measured device-to-device copy;
+5. a step's merged expert weight gradients: BF16, FP8 on copied rows, FP8 on gathered rows.
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls).
 """
 
@@ -69,6 +70,7 @@ WS_CONFIGS = {
     "ws256x64s4": fg.GemmConfig(256, 64, num_warps=4, num_stages=4, warp_specialize=True),
 }
 LAYER_CONFIGS = ["sw128x128w8s4", "sw128x128w8s4flat", "sw64x128w4s4x2"]
+ROUTED_TOKENS = 131072  # --routed-tokens: 32768 is one 8 x 4096-token micro-batch's fwd/dgrad
 DEV = "cuda"
 WARMUP, REP = 10, 40
 RESULT: dict = {}
@@ -484,9 +486,16 @@ def _grouped_row(offs: torch.Tensor, d_out: int, d_in: int) -> dict:
 def qwen3_layer() -> None:
     r = RESULT.setdefault("qwen3_30b_a3b_layer", {})
     attn = {"q_proj": (4096, 2048), "k_proj": (512, 2048), "v_proj": (512, 2048), "o_proj": (2048, 4096)}
-    offs = routed_offs(131072, 128)
+    offs = routed_offs(ROUTED_TOKENS, 128)
     experts = {"experts_up (2048 -> 2x768)": (1536, 2048), "experts_down (768 -> 2048)": (2048, 768)}
-    r["shapes"] = {"attention_tokens": 4096, "routed_tokens": 131072, "experts": 128, **attn, **experts}
+    r["shapes"] = {
+        "attention_tokens": 4096,
+        "routed_tokens": ROUTED_TOKENS,
+        "experts": 128,
+        **attn,
+        **experts,
+    }
+    r["configs"] = LAYER_CONFIGS
     for name, (d_out, d_in) in experts.items():
         log(name)
         r[name] = _grouped_row(offs, d_out, d_in)
@@ -573,6 +582,49 @@ def bandwidth() -> None:
         )
 
 
+# ----------------------------------------------------------------------------------------------
+# 5. a step's merged expert weight gradients
+
+
+def _merge_row(d_in: int, d_out: int, rows: int = 32768) -> dict:
+    from fmoe.stages import primitives
+
+    parts = {True: [], False: []}
+    for _ in range(8):
+        offs = routed_offs(rows, 128)
+        x, dy = acts(rows, d_in, spread=False), acts(rows, d_out, spread=False)
+        for fp8 in (True, False):
+            parts[fp8].append(primitives.GroupedWeightGrad(x, dy, offs, 128, fp8=fp8))
+    row = {"bf16_ms": ms(lambda: primitives.merge_grouped_weight_grads(parts[False]))}
+    gathered = primitives.merge_grouped_weight_grads(parts[True])
+    row["fp8_gathered_ms"] = ms(lambda: primitives.merge_grouped_weight_grads(parts[True]))
+    real_max = fq.GATHER_MAX_PARTS
+    fq.GATHER_MAX_PARTS = 1  # the rows copied into one tensor (scatter_rows), then quantized
+    try:
+        copied = primitives.merge_grouped_weight_grads(parts[True])
+        row["fp8_copied_bitwise_equal"] = bits_equal(copied, gathered)
+        row["fp8_copied_ms"] = ms(lambda: primitives.merge_grouped_weight_grads(parts[True]))
+    finally:
+        fq.GATHER_MAX_PARTS = real_max
+    row["fp8_gathered_speedup_vs_bf16"] = row["bf16_ms"] / row["fp8_gathered_ms"]
+    row["fp8_copied_speedup_vs_bf16"] = row["bf16_ms"] / row["fp8_copied_ms"]
+    return row
+
+
+@part("merge")
+def merge() -> None:
+    """W of one Qwen3 MoE layer for a step of 8 micro-batches x 4096 tokens x top-8 (8 parts of
+    32768 routed rows, 128 experts), merged: BF16 (rows copied, torch._grouped_mm), FP8 with the rows
+    copied then quantized, FP8 quantizing them where they lie (the same bits, checked)."""
+    r = RESULT.setdefault("merge_8x32768", {})
+    weights = {"experts_up (2048 -> 2x768)": (2048, 1536), "experts_down (768 -> 2048)": (768, 2048)}
+    for name, (d_in, d_out) in weights.items():
+        log(f"merge {name}")
+        r[name] = _merge_row(d_in, d_out)
+        print(name, json.dumps(r[name]), flush=True)
+        save(OUT)
+
+
 @part("warp_specialized")
 def warp_specialized() -> None:
     """Check, then time at 8192^3 and on the expert up-projection, each warp-specialized config."""
@@ -597,11 +649,22 @@ def warp_specialized() -> None:
 
 
 def main() -> None:
+    global OUT, ROUTED_TOKENS, LAYER_CONFIGS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
-    p.add_argument("--parts", default="checks,dense_8192,qwen3_layer,bandwidth")
+    p.add_argument("--parts", default="checks,dense_8192,qwen3_layer,bandwidth,merge")
+    p.add_argument("--routed-tokens", type=int, default=ROUTED_TOKENS, help="qwen3_layer's expert rows")
+    p.add_argument("--layer-configs", default=",".join(LAYER_CONFIGS), help="qwen3_layer's tile configs")
     p.add_argument("--ws", action="store_true", help="then check and time the warp-specialized configs")
     args = p.parse_args()
+    unknown = sorted(set(args.layer_configs.split(",")) - set(CONFIGS)) + sorted(
+        set(args.parts.split(",")) - set(PARTS)
+    )
+    if unknown:
+        p.exit(
+            2,
+            f"bench_fp8.py: --layer-configs/--parts: unknown {unknown}; configs {list(CONFIGS)}, parts {list(PARTS)}\n",
+        )
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU (the kernels' CPU tests are tests/test_kernels_*)")
     props = torch.cuda.get_device_properties(0)
@@ -618,8 +681,7 @@ def main() -> None:
     RESULT["reference_figures"] = REFERENCE
     RESULT["timing"] = f"triton.testing.do_bench median, warmup {WARMUP} ms, rep {REP} ms"
     torch.manual_seed(0)
-    global OUT
-    OUT = args.out
+    OUT, ROUTED_TOKENS, LAYER_CONFIGS = args.out, args.routed_tokens, args.layer_configs.split(",")
     parts = args.parts.split(",") + (["warp_specialized"] if args.ws else [])
     for name in parts:
         log(f"part {name}")
@@ -634,6 +696,7 @@ PARTS = {
     "dense_8192": dense_8192,
     "qwen3_layer": qwen3_layer,
     "bandwidth": bandwidth,
+    "merge": merge,
     "warp_specialized": warp_specialized,
 }
 
@@ -657,6 +720,9 @@ def summary() -> None:
             for s in ("fwd", "dgrad", "wgrad")
         )
         print(f"{name}: {steps}; with quant {row['three_gemms_plus_quant_speedup_vs_bf16']:.2f}x")
+    for k, v in RESULT.get("merge_8x32768", {}).items():
+        print(f"merged W {k}: bf16 {v['bf16_ms']:.2f} ms, fp8 copied {v['fp8_copied_ms']:.2f}, "
+              f"gathered {v['fp8_gathered_ms']:.2f} (bitwise equal: {v['fp8_copied_bitwise_equal']})")  # fmt: skip
     for k, v in RESULT.get("warp_specialized", {}).items():
         print(f"warp-specialized {k}: {v}")
     for k, v in RESULT.get("bandwidth", {}).items():

@@ -7,6 +7,9 @@
 #                                                # (with graphs), and each memory policy, side by side
 #   OUT=/tmp/out benchmarks/run_h200.sh deepseek # DeepSeek-V3-16B layers, bf16 and FP8, 4 and 8 layers
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
+#   OUT=/tmp/out benchmarks/run_h200.sh fp8      # FP8 kernels: GPU tests, merged W (gathered vs copied),
+#                                                # bandwidth, every tile config at a micro-batch's expert rows
+# Issue 26's per-layer rows are `policies fmoe_graphs,fmoe_fp8_graphs` and `deepseek`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
@@ -39,6 +42,15 @@ deepseek)  # issue 26's DeepSeek-V3-16B rows: bf16 and FP8 with graphs, 4 and 8 
     timeout 250 python3 -m benchmarks.train_throughput --recipe recipes/deepseek_v3_16b_a3b.toml --layers $L \
       $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/deepseek_v3_16b_L$L.json" 2>&1 | grep -E "ms/step|Error"
   done
+  ;;
+fp8)
+  timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "fp8 or quant or merged" \
+    2>&1 | tail -6 | tee "$OUT/cuda_tier_fp8.txt"
+  timeout 200 python3 benchmarks/bench_fp8.py --parts merge,bandwidth --out "$OUT/fp8_merge_bandwidth.json" \
+    2>&1 | grep -A40 "==== summary"
+  timeout 200 python3 benchmarks/bench_fp8.py --parts qwen3_layer --routed-tokens 32768 \
+    --layer-configs sw128x128w8s4,sw128x128w8s3,sw128x128w8s5,sw128x128w8s4flat,sw64x128w4s4x2 \
+    --out "$OUT/fp8_layer_32768.json" 2>&1 | grep -A40 "==== summary"
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

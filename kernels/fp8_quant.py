@@ -18,6 +18,7 @@ the bits of its ``*_reference``: divisions are IEEE (``div_rn``), and under the 
 float8 cast does not round to nearest-even, the cast is done with integer arithmetic instead.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ AMAX_EPS = 1e-12  # floor of a group's amax, so an all-zero group gets a finite 
 
 # Launch shapes of the memory-bound kernels (measured on one H200, benchmarks/bench_fp8.py)
 ROWS_BLOCK_R, ROWS_WARPS = 32, 4  # _quant_rows_kernel: rows x 128 columns per program
-TILES_WARPS = 8  # _quant_tiles_kernel: 128 x 128 per program
+TILES_WARPS = 4  # _quant_tiles_kernel: 128 x 128 per program
 WEIGHT_WARPS = 8
 
 
@@ -139,19 +140,35 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE: tl.constexpr):
-    """A [rows, cols] tile of the tensor being quantized, in fp32.
+def _load_act(row_base, cols, mask, half, PROLOGUE: tl.constexpr):
+    """A [rows, cols] tile of the tensor being quantized, in fp32; row_base: [rows] pointers to each
+    row's first element.
 
     PROLOGUE 0: x itself. PROLOGUE 1: SwiGLU of x = [gate | up] (columns c and half + c).
     """
-    base = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
+    base = row_base[:, None] + cols[None, :]
     if PROLOGUE == 1:
         g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
         # rounded to x's dtype first, so that the fused kernel quantizes what swiglu() returns
-        return _silu_mul(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return _silu_mul(g, u).to(row_base.dtype.element_ty).to(tl.float32)
     else:
         return tl.load(base, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER: tl.constexpr):
+    """Pointers to the first element of each of ``rows``: of ``parts[0]`` itself, or, GATHER, of row
+    ``src_row[r]`` of ``parts[src_part[r]]`` (every part has row stride ``stride_xm``)."""
+    if GATHER:
+        part = tl.load(src_part_ptr + rows, mask=rmask, other=0)
+        off = tl.load(src_row_ptr + rows, mask=rmask, other=0).to(tl.int64) * stride_xm
+        base = parts[0] + off
+        for j in tl.static_range(1, len(parts)):
+            base = tl.where(part == j, parts[j] + off, base)
+        return base
+    else:
+        return parts[0] + rows.to(tl.int64) * stride_xm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,7 +196,7 @@ def _quant_rows_kernel(
     cols = kb * 128 + tl.arange(0, 128)
     rmask = rows < M
     mask = rmask[:, None] & (cols[None, :] < K)
-    v = _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE)
+    v = _load_act(x_ptr + rows.to(tl.int64) * stride_xm, cols, mask, half, PROLOGUE)
     s, inv = _scales(tl.max(tl.abs(v), axis=1), POW2)
     bits = _e4m3_bits(v * inv[:, None], EMULATE)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits, mask=mask)
@@ -188,7 +205,9 @@ def _quant_rows_kernel(
 
 @triton.jit
 def _quant_tiles_kernel(
-    x_ptr,
+    parts,
+    src_part_ptr,
+    src_row_ptr,
     q_ptr,
     s_ptr,
     qt_ptr,
@@ -205,12 +224,14 @@ def _quant_tiles_kernel(
     half,
     PROLOGUE: tl.constexpr,
     ROWS: tl.constexpr,
+    GATHER: tl.constexpr,
     POW2: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """Token tiles of 128 rows within one expert x 128 columns: reads the tile once and writes its
     token-transposed quantization (columns [t*128, +128) of ``qt``) and, if ``ROWS``, its 1x128
-    row quantization. Tiles past the last expert write zeros, so ``qt`` is defined everywhere."""
+    row quantization. Tiles past the last expert write zeros, so ``qt`` is defined everywhere.
+    The rows are those of ``parts[0]``, or, GATHER, gathered from the parts (:func:`_row_bases`)."""
     t = tl.program_id(0)
     kb = tl.program_id(1)
     e = tl.load(tile_expert_ptr + t)
@@ -222,7 +243,13 @@ def _quant_tiles_kernel(
     rmask = rows < end
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    v = _load_act(x_ptr, rows, cols, mask, stride_xm, half, PROLOGUE)
+    v = _load_act(
+        _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER),
+        cols,
+        mask,
+        half,
+        PROLOGUE,
+    )
 
     s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
     # transposed in registers, then stored row-major (see quantize_weight for why)
@@ -434,23 +461,90 @@ def _default_offs(x: Tensor, offs: Tensor | None) -> Tensor:
     return check_offs(offs, x.shape[0])
 
 
-def _launch_tiles(x: Tensor, K: int, half: int, prologue: int, offs: Tensor, pow2: bool, rows: bool):
-    M = x.shape[0]
+def _launch_tiles(
+    x: Tensor | tuple[Tensor, ...],
+    K: int,
+    half: int,
+    prologue: int,
+    offs: Tensor,
+    pow2: bool,
+    rows: bool,
+    src: tuple[Tensor, Tensor] | None = None,
+):
+    """x: the [M, *] tensor, or (with ``src`` = (src_part, src_row), [M] int32 each) the parts whose
+    rows ``src`` gathers; every part has x's row stride."""
+    parts = x if isinstance(x, tuple) else (x,)
+    first = parts[0]
+    M = src[0].shape[0] if src is not None else first.shape[0]
     E = offs.numel()
     tm = tile_map(offs, M, GROUP)
     cap = tm.cap * GROUP
-    qt = torch.empty(K, cap, dtype=FP8_DTYPE, device=x.device)
-    st = _empty_scale(K, tm.cap, x.device)
-    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device) if rows else qt
-    s = _empty_scale(M, cdiv(K, GROUP), x.device) if rows else st
+    device = first.device
+    qt = torch.empty(K, cap, dtype=FP8_DTYPE, device=device)
+    st = _empty_scale(K, tm.cap, device)
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=device) if rows else qt
+    s = _empty_scale(M, cdiv(K, GROUP), device) if rows else st
+    src_part, src_row = src if src is not None else (offs, offs)  # unused pointers without GATHER
     if K > 0:
         _quant_tiles_kernel[(tm.cap, cdiv(K, GROUP))](
-            x, q.view(torch.uint8), s, qt.view(torch.uint8), st, tm.expert, tm.row, tm.group_end,
-            M, K, E, x.stride(0), q.stride(0), qt.stride(0), half,
-            PROLOGUE=prologue, ROWS=rows, POW2=pow2, EMULATE=interpreting(), num_warps=TILES_WARPS,
+            parts, src_part, src_row, q.view(torch.uint8), s, qt.view(torch.uint8), st,
+            tm.expert, tm.row, tm.group_end, M, K, E, first.stride(0), q.stride(0), qt.stride(0), half,
+            PROLOGUE=prologue, ROWS=rows, GATHER=src is not None, POW2=pow2, EMULATE=interpreting(),
+            num_warps=TILES_WARPS,
         )  # fmt: skip
     out_t = Fp8ActT(qt, st, tm.first_tile * GROUP, tm.num_tiles * GROUP)
     return (Fp8Act(q, s), out_t) if rows else out_t
+
+
+# The most parts one gathered quantization reads (the kernel picks each row's part by a chain of
+# selects, one per part, and is compiled once per number of parts)
+GATHER_MAX_PARTS = 32
+
+
+def quantize_act_t_gathered(
+    parts: Sequence[Tensor], src_part: Tensor, src_row: Tensor, offs: Tensor, *, pow2_scales: bool = False
+) -> Fp8ActT:
+    """quantize_act_t of the rows ``parts[src_part[j]][src_row[j]]``, j = 0..n-1, in that order,
+    without writing them out: each 128-token tile reads its rows where they lie.
+
+    parts:             up to GATHER_MAX_PARTS contiguous [rows_i, k] tensors of one dtype and device
+    src_part, src_row: [n] int32, the part and the row within it of each gathered row
+    offs:              [experts] int32 cumulative expert end offsets of the n gathered rows
+    The bits equal ``quantize_act_t(torch.cat(parts)[index], offs)`` (index: each gathered row's
+    row in the concatenation); it is how a step's expert weight gradients, merged over micro-batches,
+    are quantized without a copy of every micro-batch's rows.
+    """
+    parts = tuple(parts)
+    if not 1 <= len(parts) <= GATHER_MAX_PARTS:
+        raise ValueError(f"parts: expected 1 to {GATHER_MAX_PARTS} tensors, got {len(parts)}")
+    first = parts[0]
+    for i, part in enumerate(parts):
+        if part.dim() != 2 or not part.is_contiguous():
+            raise ValueError(
+                f"parts[{i}]: expected a contiguous [rows, k] tensor, got shape {tuple(part.shape)}"
+            )
+        if (part.shape[1], part.dtype, part.device) != (first.shape[1], first.dtype, first.device):
+            raise ValueError(
+                f"parts[{i}]: {tuple(part.shape)} {part.dtype} on {part.device}, but parts[0] is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+    n = src_part.shape[0]
+    if (
+        src_part.shape != (n,)
+        or src_row.shape != (n,)
+        or src_part.dtype != torch.int32
+        or src_row.dtype != torch.int32
+    ):
+        raise ValueError(
+            f"src_part, src_row: expected two [n] int32 tensors, got {tuple(src_part.shape)} "
+            f"{src_part.dtype} and {tuple(src_row.shape)} {src_row.dtype}"
+        )
+    offs = check_offs(offs, n)
+    if not use_triton(first):
+        starts = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=first.device).cumsum(0)
+        rows = torch.cat(parts)[starts[src_part.long()] + src_row.long()]
+        return quantize_act_t_reference(rows, offs, pow2_scales=pow2_scales)
+    return _launch_tiles(parts, first.shape[1], 0, 0, offs, pow2_scales, False, (src_part, src_row))
 
 
 def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:

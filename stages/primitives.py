@@ -223,7 +223,8 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 @torch.no_grad()
 def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     """``sum(part() for part in parts)`` as one grouped GEMM over the rows of every part, regrouped
-    by expert (one copy of each x and dy, no host sync).
+    by expert, with no host sync: in BF16 each x and dy is copied once into the merged order; in
+    FP8 nothing is copied, the token-wise quantization reads each row where it lies.
 
     With 128 experts and a few thousand tokens per microbatch, each microbatch's expert gradient is
     a thin GEMM (a few hundred rows per expert) whose [E, m, k] output is as large as the weight;
@@ -247,21 +248,50 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     per_expert = counts.sum(0)  # [E] rows of each expert over all parts
     expert_start = torch.cumsum(per_expert, 0) - per_expert
     earlier = torch.cumsum(counts, 0) - counts  # [parts, E] rows of expert e in the parts before
-    n = sum(p.x.shape[0] for p in parts)
-    x = first.x.new_empty(n, first.x.shape[1])
-    dy = first.dy.new_empty(n, first.dy.shape[1])
     experts = torch.arange(E, device=device)
-    from fmoe.kernels.permute import scatter_rows
-
+    dests = []  # [rows_i] int64: where each row of part i goes among the merged rows
     for i, p in enumerate(parts):
         rows = p.x.shape[0]
         e = torch.repeat_interleave(experts, counts[i], output_size=rows)
         within = torch.arange(rows, device=device) - (p.offs.to(torch.int64) - counts[i])[e]
-        dest = expert_start[e] + earlier[i, e] + within
+        dests.append(expert_start[e] + earlier[i, e] + within)
+    n = sum(p.x.shape[0] for p in parts)
+    offs = torch.cumsum(per_expert, 0).to(torch.int32)
+
+    if first.fp8:
+        from fmoe.kernels.fp8_quant import GATHER_MAX_PARTS
+
+        if len(parts) <= GATHER_MAX_PARTS:
+            return _fp8_weight_grad_gathered(parts, dests, offs)
+    from fmoe.kernels.permute import scatter_rows
+
+    x = first.x.new_empty(n, first.x.shape[1])
+    dy = first.dy.new_empty(n, first.dy.shape[1])
+    for p, dest in zip(parts, dests):
         scatter_rows(p.x.contiguous(), dest, x)
         scatter_rows(p.dy.contiguous(), dest, dy)
-    offs = torch.cumsum(per_expert, 0).to(torch.int32)
     return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype)
+
+
+def _fp8_weight_grad_gathered(parts: list[GroupedWeightGrad], dests: list[Tensor], offs: Tensor) -> Tensor:
+    """The merged FP8 expert weight gradient with no copy of the rows: the token-wise quantization
+    the GEMM needs reads each merged row where it lies (the bits equal quantizing the copy).
+    dests[i]: [rows_i] int64, the merged row of each row of parts[i]; offs: [E] int32 merged ends."""
+    from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
+    from fmoe.kernels.fp8_quant import quantize_act_t_gathered
+
+    n, device = sum(d.shape[0] for d in dests), offs.device
+    src_part = torch.empty(n, dtype=torch.int32, device=device)
+    src_row = torch.empty(n, dtype=torch.int32, device=device)
+    for i, dest in enumerate(dests):
+        src_part.index_fill_(0, dest, i)
+        src_row.index_copy_(0, dest, torch.arange(dest.shape[0], dtype=torch.int32, device=device))
+    x_t, dy_t = (
+        quantize_act_t_gathered([t.contiguous() for t in tensors], src_part, src_row, offs)
+        for tensors in ([p.x for p in parts], [p.dy for p in parts])
+    )
+    first = parts[0]
+    return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.out_dtype or first.dy.dtype)
 
 
 class _Linear(torch.autograd.Function):

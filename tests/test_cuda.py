@@ -113,6 +113,25 @@ def test_quantize_act_t_grouped_compiled_equals_reference_bitwise():
         assert _bits_equal(getattr(cols, field), getattr(want_cols, field)), field
 
 
+def test_merged_fp8_wgrad_gathers_its_rows_bitwise_as_the_copied_rows(monkeypatch):
+    # a step's merged expert wgrad at Qwen3 shapes (8 microbatches x 4096 tokens x top-8, 128
+    # experts, hidden 2048, expert width 768): quantizing the rows where they lie gives the bits of
+    # quantizing them copied into one tensor, and so does the GEMM that follows
+    from fmoe.kernels import fp8_quant as fq
+    from fmoe.stages import primitives
+
+    parts = []
+    for i in range(8):
+        n = 32768 + 5 * i
+        offs = _ragged_offs(n, 128, seed=40 + i)
+        x, dy = _activations(n, 768, seed=50 + i), _activations(n, 2048, seed=60 + i)
+        parts.append(primitives.GroupedWeightGrad(x, dy, offs, 128, fp8=True))
+    gathered = primitives.merge_grouped_weight_grads(parts)
+    monkeypatch.setattr(fq, "GATHER_MAX_PARTS", 1)  # the copy: scatter the rows, then quantize
+    copied = primitives.merge_grouped_weight_grads(parts)
+    assert _bits_equal(gathered, copied)
+
+
 @pytest.mark.parametrize(
     "shape", [(1536, 2048), (8, 1536, 2048), (4, 300, 520)], ids=["dense", "experts", "ragged"]
 )

@@ -188,6 +188,46 @@ def test_fp8_expert_weight_grads_merge_over_microbatches_within_the_fp8_bound(mo
         assert (merged - unmerged).norm() / ref.norm() < 0.05, n
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "copied"])
+def test_fp8_merged_expert_weight_grad_is_the_fp8_gemm_of_the_rows_regrouped(backend, gathered, monkeypatch):
+    # the merged FP8 wgrad is, bit for bit, the FP8 grouped GEMM of all parts' rows regrouped by
+    # expert (each expert's rows in part order, then row order): whether its quantization gathers
+    # the rows where they lie (up to GATHER_MAX_PARTS parts) or they are first copied into one tensor
+    from fmoe.kernels import fp8_quant
+    from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
+
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", backend)
+    if not gathered:
+        monkeypatch.setattr(fp8_quant, "GATHER_MAX_PARTS", 2)
+    g = torch.Generator().manual_seed(5)
+    E, k, m = 5, 256, 128
+    counts = [[30, 0, 100, 0, 0], [0, 0, 0, 0, 0], [64, 129, 1, 0, 40]]  # an empty part, expert 3 empty
+    parts = []
+    for c in counts:
+        n = sum(c)
+        offs = torch.tensor(c).cumsum(0).to(torch.int32)
+        x = (torch.randn(n, k, generator=g) * torch.logspace(-3, 2, k)).bfloat16()
+        dy = torch.randn(n, m, generator=g).bfloat16()
+        parts.append(primitives.GroupedWeightGrad(x, dy, offs, E, fp8=True, out_dtype=torch.float32))
+    calls = []
+    real_gather = fp8_quant.quantize_act_t_gathered
+    monkeypatch.setattr(
+        fp8_quant, "quantize_act_t_gathered", lambda *a, **k: calls.append(1) or real_gather(*a, **k)
+    )
+    got = primitives.merge_grouped_weight_grads(parts)
+    assert len(calls) == (2 if gathered else 0)  # x and dy
+
+    expert = torch.cat([torch.repeat_interleave(torch.arange(E), torch.tensor(c)) for c in counts])
+    order = torch.sort(expert, stable=True).indices  # rows of expert 0 (part 0 first), expert 1, ...
+    x_all = torch.cat([p.x for p in parts])[order]
+    dy_all = torch.cat([p.dy for p in parts])[order]
+    offs_all = torch.tensor(counts).sum(0).cumsum(0).to(torch.int32)
+    want = fp8_grouped_linear_weight_grad(x_all, dy_all, offs_all, out_dtype=torch.float32)
+    assert torch.equal(got, want)
+    assert [bool(g.any()) for g in got] == [True, True, True, False, True]
+
+
 def fp8_config():
     return tiny_config(
         vocab_size=264, hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,

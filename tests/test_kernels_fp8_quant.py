@@ -71,6 +71,44 @@ def test_quantize_act_t_grouped_equals_reference_bitwise(pow2):
     assert cols.group_len.tolist() == [0, 128, 0, 256, 128, 0]
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_quantize_act_t_gathered_equals_quantize_act_t_of_the_gathered_rows(backend, monkeypatch):
+    # three parts of different lengths (one empty), rows taken out of order and across parts, expert
+    # boundaries unaligned, an empty expert: the bits of quantizing the written-out gathered rows
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", backend)
+    g = torch.Generator().manual_seed(11)
+    parts = [
+        _activations(90, 200, seed=20),
+        torch.empty(0, 200, dtype=torch.bfloat16),
+        _activations(150, 200, seed=21),
+    ]
+    n = 240
+    perm = torch.randperm(n, generator=g)
+    src_part = torch.where(perm < 90, 0, 2).to(torch.int32)
+    src_row = torch.where(perm < 90, perm, perm - 90).to(torch.int32)
+    offs = torch.tensor([70, 70, 200, 240], dtype=torch.int32)
+    got = fq.quantize_act_t_gathered(parts, src_part, src_row, offs, pow2_scales=True)
+    want = fq.quantize_act_t_reference(torch.cat(parts)[perm], offs, pow2_scales=True)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    assert torch.equal(got.group_start, want.group_start) and torch.equal(got.group_len, want.group_len)
+
+
+def test_quantize_act_t_gathered_names_the_bad_input():
+    a, b = torch.randn(4, 128), torch.randn(4, 256)
+    idx = torch.zeros(4, dtype=torch.int32)
+    offs = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"parts\[1\]"):
+        fq.quantize_act_t_gathered([a, b], idx, idx, offs)
+    with pytest.raises(ValueError, match=r"parts\[0\]: expected a contiguous"):
+        fq.quantize_act_t_gathered([torch.randn(128, 4).t()], idx, idx, offs)
+    with pytest.raises(ValueError, match="src_part, src_row"):
+        fq.quantize_act_t_gathered([a], idx.long(), idx, offs)
+    with pytest.raises(ValueError, match="parts: expected 1 to"):
+        fq.quantize_act_t_gathered([a] * (fq.GATHER_MAX_PARTS + 1), idx, idx, offs)
+    with pytest.raises(ValueError, match="offs"):
+        fq.quantize_act_t_gathered([a], idx, idx, torch.tensor([3], dtype=torch.int32))
+
+
 def test_quantize_act_t_pads_each_expert_with_zeros():
     x = _activations(70, 128, seed=4)
     offs = torch.tensor([30, 70], dtype=torch.int32)

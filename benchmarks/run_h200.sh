@@ -5,11 +5,11 @@
 #                                                # the GPU test tier (memory policies included)
 #   OUT=/tmp/out benchmarks/run_h200.sh policies [SIDES]  # per-layer table, 4 and 8 layers: eager, fmoe
 #                                                # (with graphs), and each memory policy, side by side
-#   OUT=/tmp/out benchmarks/run_h200.sh deepseek # DeepSeek-V3-16B layers, bf16 and FP8, 4 and 8 layers
+#   OUT=/tmp/out benchmarks/run_h200.sh deepseek [SIDES] # DeepSeek-V3-16B layers, bf16 and FP8, 4 and 8 layers
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 #   OUT=/tmp/out benchmarks/run_h200.sh fp8      # FP8 kernels: GPU tests, merged W (gathered vs copied),
 #                                                # bandwidth, every tile config at a micro-batch's expert rows
-# Issue 26's per-layer rows are `policies fmoe_graphs,fmoe_fp8_graphs` and `deepseek`.
+# Issue 26's per-layer rows: `policies fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16w_graphs` and `deepseek`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
@@ -40,7 +40,7 @@ policies)  # the memory policies side by side with eager and fmoe, at 4 (with a 
 deepseek)  # issue 26's DeepSeek-V3-16B rows: bf16 and FP8 with graphs, 4 and 8 layers in one call
   for L in 4 8; do
     timeout 250 python3 -m benchmarks.train_throughput --recipe recipes/deepseek_v3_16b_a3b.toml --layers $L \
-      $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/deepseek_v3_16b_L$L.json" 2>&1 | grep -E "ms/step|Error"
+      $QWEN --sides ${2:-fmoe_graphs,fmoe_fp8_graphs} --out "$OUT/deepseek_v3_16b_L$L.json" 2>&1 | grep -E "ms/step|Error"
   done
   ;;
 fp8)

@@ -32,12 +32,21 @@ class Fp8Caching:
 
     @staticmethod
     def of(
-        fp8: bool, fp8_dense: bool, policy: MemoryPolicy, pp: int, microbatches: int, local_experts: int
+        fp8: bool,
+        fp8_dense: bool,
+        policy: MemoryPolicy,
+        pp: int,
+        microbatches: int,
+        local_experts: int,
+        fp8_dense_wgrad: bool = True,
     ) -> Fp8Caching | None:
-        """The caching of a step (``train.fp8``, ``train.fp8_dense``, the ``[memory]`` policy); None: none."""
+        """The caching of a step (``train.fp8``, ``train.fp8_dense``, ``train.fp8_dense_wgrad``, the
+        ``[memory]`` policy); None: none. A dense weight gradient in the compute dtype reads the
+        input itself, so nothing dense is cached."""
         if not (fp8 and policy.fp8_cache):
             return None
-        return Fp8Caching(fp8_dense, policy.fp8_cache_experts(pp, microbatches), local_experts)
+        dense = fp8_dense and fp8_dense_wgrad
+        return Fp8Caching(dense, policy.fp8_cache_experts(pp, microbatches), local_experts)
 
 
 class Fp8Input(NamedTuple):

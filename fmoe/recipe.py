@@ -52,6 +52,9 @@ class TrainConfig:
     device: str = "auto"  # auto, cpu or cuda
     fp8: bool = False
     fp8_dense: bool = True  # with fp8: the attention projections in FP8 too (False: experts only)
+    # with fp8_dense: their weight gradients in FP8 too (False: in the compute dtype, on the input kept
+    # in it; no token-wise quantization of the input and output gradient)
+    fp8_dense_wgrad: bool = True
     # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run
     max_nonfinite_steps: int = 10
     threads: int = 0  # torch CPU threads of this process; 0: 1 on CPU runs (see fmoe.train.cpu_threads)

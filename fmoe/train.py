@@ -333,7 +333,8 @@ def _step_function(recipe: Recipe, run: Run, tx: optim.GradientTransformation) -
         loss, grads, statistics = parallel.parallel_step(
             run.model, shards, run.infos, batch, recipe.train.microbatches, run.mesh, schedule=run.table,
             dtype=None if run.dtype == torch.float32 else run.dtype, seed=seed,
-            fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, timeout_s=recipe.parallel.timeout_s,
+            fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, fp8_dense_wgrad=recipe.train.fp8_dense_wgrad,
+            timeout_s=recipe.parallel.timeout_s,
             gather=recipe.parallel.gather, plan=run.gathers, memory=run.memory,
         )  # fmt: skip
         shards, state, skipped = _update(

@@ -55,6 +55,7 @@ __all__ = [
     "cached_input_bytes",
     "cols_from_saved",
     "cols_to_save",
+    "fp8_dense_wgrad",
     "fp8_training",
     "fp8_weight",
     "input_scope",
@@ -62,6 +63,7 @@ __all__ = [
 
 _FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
 _FP8_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense", default=True)
+_FP8_DENSE_WGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense_wgrad", default=True)
 # the primitives whose inputs are cached now: "linear" and/or "grouped_linear"
 _CACHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "fmoe_fp8_cached", default=frozenset()
@@ -92,7 +94,12 @@ _SEEN: contextvars.ContextVar[dict[int, _Seen] | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def fp8_training(
-    enabled: bool = True, *, dense: bool = True, cache_inputs: bool = False, cache_expert_inputs: bool = False
+    enabled: bool = True,
+    *,
+    dense: bool = True,
+    dense_wgrad: bool = True,
+    cache_inputs: bool = False,
+    cache_expert_inputs: bool = False,
 ) -> Iterator[None]:
     """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
 
@@ -103,6 +110,10 @@ def fp8_training(
     ``fp8=False`` (router, LM head), stay in the compute dtype. ``dense=False`` keeps every
     ``linear`` (the attention projections) in the compute dtype too: only the expert GEMMs run in
     FP8 (at a few thousand tokens per microbatch the projections' GEMMs are too small to gain).
+    ``dense_wgrad=False`` keeps the dense linears' forward and input-gradient GEMMs in FP8 but runs
+    their weight gradient in the compute dtype, on the input kept in it: no token-wise quantization
+    of x and dy, which at a few thousand tokens per micro-batch costs more than the FP8 GEMM saves
+    (``benchmarks/results/fp8_gemms_h200.json``); the gradient is then that of the compute dtype.
     cache_inputs / cache_expert_inputs: ``linear`` / ``grouped_linear`` keep their input in the FP8
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the
     module docstring). Expert inputs only where no micro-batch's expert W is merged with another's
@@ -110,6 +121,7 @@ def fp8_training(
     """
     token = _FP8_WEIGHTS.set({} if enabled else None)
     dense_token = _FP8_DENSE.set(dense)
+    wgrad_token = _FP8_DENSE_WGRAD.set(dense_wgrad)
     kinds = frozenset(
         k for k, on in (("linear", cache_inputs), ("grouped_linear", cache_expert_inputs)) if on
     )
@@ -118,6 +130,7 @@ def fp8_training(
         yield
     finally:
         _CACHED.reset(cached_token)
+        _FP8_DENSE_WGRAD.reset(wgrad_token)
         _FP8_DENSE.reset(dense_token)
         _FP8_WEIGHTS.reset(token)
 
@@ -155,6 +168,11 @@ def fp8_weight(x: Tensor, w: Tensor, dense: bool):
     if cache is None or (dense and not _FP8_DENSE.get()) or not _fp8_eligible(x, w):
         return None
     return _fp8_weight(w, cache)
+
+
+def fp8_dense_wgrad() -> bool:
+    """Whether an FP8 ``linear``'s weight gradient runs in FP8 (``fp8_training(dense_wgrad=...)``)."""
+    return _FP8_DENSE_WGRAD.get()
 
 
 @contextlib.contextmanager

@@ -348,11 +348,12 @@ class _GroupedLinear(torch.autograd.Function):
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """FP8 forward, FP8 input gradient (the weight's transposed quantization), FP8 weight gradient
-    (the input's and output gradient's column-wise quantization) - the hand-written B and W."""
+    """FP8 forward, FP8 input gradient (the weight's transposed quantization), and the weight
+    gradient in FP8 (the input's and output gradient's token-wise quantization) or, with
+    ``fp8_wgrad`` False, in the compute dtype on the saved input - the hand-written B and W."""
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, w_fp8, cached: CachedInput | None) -> Tensor:
+    def forward(x: Tensor, w: Tensor, w_fp8, cached: CachedInput | None, fp8_wgrad: bool) -> Tensor:
         from fmoe.kernels.fp8_linear import fp8_linear_forward
 
         a = x.reshape(-1, x.shape[-1]) if cached is None else cached.rows
@@ -360,10 +361,10 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, w_fp8, cached = inputs
+        x, w, w_fp8, cached, fp8_wgrad = inputs
         # cached: only W's form is saved (``cached`` itself is not kept: its rows die after F)
         ctx.save_for_backward(*((x,) if cached is None else cols_to_save(cached.cols)))
-        ctx.cached, ctx.x_shape = cached is not None, x.shape
+        ctx.cached, ctx.x_shape, ctx.fp8_wgrad = cached is not None, x.shape, fp8_wgrad
         ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
@@ -381,12 +382,15 @@ class _Fp8Linear(torch.autograd.Function):
             else None
         )
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None
-        compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
+            return dx, None, None, None, None
+        if ctx.fp8_wgrad:
+            compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
+        else:
+            compute = DenseWeightGrad(x2, dy2)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
-            return dx, None, None, None
-        return dx, compute(), None, None
+            return dx, None, None, None, None
+        return dx, compute(), None, None, None
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
@@ -431,14 +435,20 @@ def linear(x: Tensor, w: Tensor, fp8: bool = True, cache: bool = True) -> Tensor
 
     Inside :func:`fp8_training` it runs as FP8 GEMMs unless ``fp8=False`` (keep the router and the
     LM head in the compute dtype, as DeepSeek-V3 does), the block was opened with ``dense=False``,
-    or the dims are not multiples of 128. ``cache=False``: keep ``x`` for W in the compute dtype even
+    or the dims are not multiples of 128; opened with ``dense_wgrad=False``, its weight gradient
+    runs in the compute dtype. ``cache=False``: keep ``x`` for W in the compute dtype even
     where ``fp8_training`` caches inputs in FP8 - for an ``x`` another operation saves anyway (a
     non-FP8 linear on it), whose cached form would only add bytes (``fmoe.stages.fp8_mode``).
     """
     w_fp8 = fp8_mode.fp8_weight(x, w, dense=True) if fp8 else None
     if w_fp8 is not None:
-        cached = fp8_mode.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None) if cache else None
-        return _Fp8Linear.apply(x, w, w_fp8, cached)
+        fp8_wgrad = fp8_mode.fp8_dense_wgrad()  # else W reads x itself: nothing to cache
+        cached = (
+            fp8_mode.cached_input("linear", x, x.reshape(-1, x.shape[-1]), None)
+            if cache and fp8_wgrad
+            else None
+        )
+        return _Fp8Linear.apply(x, w, w_fp8, cached, fp8_wgrad)
     return _Linear.apply(x, w)
 
 

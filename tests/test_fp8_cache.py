@@ -183,6 +183,30 @@ def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
     assert all(torch.equal(out[True].grad_shards[n], g) for n, g in out[False].grad_shards.items())
 
 
+def test_the_trainer_step_runs_the_dense_wgrad_in_bf16_from_the_recipe(monkeypatch):
+    # train.fp8_dense_wgrad = false reaches parallel_step: nothing dense is cached, the dense
+    # weight gradients change and the experts' do not (their W is FP8 either way)
+    data = {"model": {"family": "qwen3_moe"}, "train": {"fp8": True}}
+    assert recipe.from_dict(data).train.fp8_dense_wgrad is True
+    flag = recipe.from_dict({**data, "train": {"fp8": True, "fp8_dense_wgrad": False}}).train.fp8_dense_wgrad
+    assert flag is False
+    with pytest.raises(recipe.RecipeError, match=r"^r.toml: train.fp8_dense_wgrad must be bool"):
+        recipe.from_dict({**data, "train": {"fp8_dense_wgrad": "no"}}, "r.toml")
+    model, mesh, infos, shards, batch = one_process(fp8_config())
+    kinds = cached_kinds(monkeypatch)
+    out = {}
+    for fp8_wgrad in (True, False):
+        kinds.clear()
+        out[fp8_wgrad] = parallel.parallel_step(
+            model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True,
+            fp8_dense_wgrad=fp8_wgrad, memory=MemoryPolicy(merge_window=1),
+        ).grad_shards  # fmt: skip
+        assert ("linear" in kinds) is fp8_wgrad and "grouped_linear" in kinds
+    changed = {n for n, g in out[False].items() if not torch.equal(g, out[True][n])}
+    assert any(n.endswith("q_proj.weight") for n in changed)
+    assert not any("experts" in n for n in changed)
+
+
 def saved_bytes(fn) -> int:
     """Bytes of the tensors autograd saves while ``fn`` runs (distinct storages)."""
     seen: dict[int, int] = {}
@@ -372,6 +396,10 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
     assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None
     assert not Fp8Caching.of(True, True, MemoryPolicy(), 1, 4, 4).experts  # window 0 merges 4
+    # a dense weight gradient in the compute dtype reads x itself: no dense input is cached
+    assert Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, 4, fp8_dense_wgrad=False) == (
+        Fp8Caching(dense=False, experts=True, local_experts=4)
+    )
 
 
 def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():

@@ -156,6 +156,49 @@ def test_fp8_dense_false_keeps_the_projections_in_the_compute_dtype(quantized_sh
     assert err(experts_only) < err(everything)
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["tape", "autograd"])
+def test_fp8_dense_wgrad_false_runs_w_in_the_compute_dtype_on_x_itself(deferred, monkeypatch):
+    # dense_wgrad=False: the same FP8 forward and input gradient; the weight gradient is bf16's
+    # dy^T @ x (within one bf16 rounding of float64 plus float32 accumulation over the 384 tokens),
+    # x is saved in bf16 even where inputs are cached, and nothing is quantized along tokens
+    from fmoe.kernels import fp8_quant
+
+    gen = torch.Generator().manual_seed(7)
+    x0 = torch.randn(384, 256, generator=gen).bfloat16()
+    w = (torch.randn(128, 256, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(384, 128, generator=gen).bfloat16()
+    calls = []  # token-wise quantizations (the torch backend's, which this module's tests run)
+    real_t = fp8_quant.quantize_act_t_reference
+    monkeypatch.setattr(
+        fp8_quant, "quantize_act_t_reference", lambda *a, **k: calls.append(1) or real_t(*a, **k)
+    )
+    out = {}
+    for fp8_wgrad in (True, False):
+        calls.clear()
+        with fp8_training(True, dense_wgrad=fp8_wgrad, cache_inputs=True):
+            if deferred:
+                stage = Stage("lin", lambda p, i, c: (linear(i[0] * 1, p["w"]),), ("l.w",), "l.")
+                (y,), fwd = S.forward(stage, {"l.w": w}, (x0,), StageContext())
+                (dx,), work = S.backward_input(fwd, (dy,))
+                (x_saved,) = [compute.x for _, compute in work.tape.entries]
+                dw = S.backward_weight(work)["l.w"]
+            else:
+                xl, wl = x0.clone().requires_grad_(), w.clone().requires_grad_()
+                y = linear(xl * 1, wl)
+                y.backward(dy)
+                dx, dw, x_saved = xl.grad, wl.grad, None
+        out[fp8_wgrad] = (y, dx, dw, x_saved, len(calls))
+    (y8, dx8, dw8, _, quantized), (y, dx, dw, x_saved, quantized_b) = out[True], out[False]
+    assert torch.equal(y, y8) and torch.equal(dx, dx8)
+    assert quantized == 2 and quantized_b == 0  # FP8 W: x's (cached in F) and dy's
+    if deferred:
+        assert isinstance(x_saved, torch.Tensor) and x_saved.dtype == torch.bfloat16
+    ref = dy.double().t() @ x0.double()
+    bound = 2.0**-8 * ref.abs() + 384 * 2.0**-24 * (dy.double().abs().t() @ x0.double().abs())
+    assert dw.dtype == torch.bfloat16 and ((dw.double() - ref).abs() <= bound).all()
+    assert not torch.equal(dw, dw8), "the FP8 weight gradient must differ"
+
+
 def test_fp8_expert_weight_grads_merge_over_microbatches_within_the_fp8_bound(monkeypatch):
     # merged, a step's FP8 expert wgrad is one GEMM over all its microbatches' rows (quantized
     # along tokens after the regroup); it must agree with the per-microbatch FP8 GEMMs plus adds as

@@ -28,7 +28,8 @@ it), every file and the folder fsynced, then renamed to ``step_<N>`` by rank 0: 
 is always complete, and a crash mid-write leaves the previous checkpoints as they were (and a
 ``.tmp-*`` folder that :func:`clean_temp` removes at the next start). Old checkpoints are dropped by
 renaming them to ``.tmp-drop-*`` first, so a crash while deleting one leaves no half-deleted
-``step_*`` folder. Non-finite tensors are never written (every rank checks its pieces, all agree
+``step_*`` folder. A corrupt checkpoint a run skips is renamed ``corrupt-step_<N>`` (:func:`set_aside`):
+kept for the user, no longer resumed from or counted by the rotation. Non-finite tensors are never written (every rank checks its pieces, all agree
 before anything is written).
 
 One writer: a run holds :func:`lock_folder` (an OS ``flock`` plus its host and pid in
@@ -80,7 +81,7 @@ from fmoe.checkpoint_format import (
     StreamedSafetensors,
     rank_file,
 )
-from fmoe.checkpoint_install import clean_temp
+from fmoe.checkpoint_install import clean_temp, set_aside
 from fmoe.checkpoint_lock import FolderLock, lock_folder
 from fmoe.checkpoint_plan import Shard, whole
 from fmoe.checkpoint_read import Checkpoint, Entry, LazyTensors, Piece, load, open_checkpoint
@@ -101,5 +102,5 @@ __all__ = [
     "Entry", "FolderLock", "LazyTensors", "PendingSave", "Piece", "Shard", "StreamedSafetensors", "begin_save",
     "capture_rng", "clean_temp", "file_sha256", "latest", "list_checkpoints", "load", "lock_folder",
     "manifest_files", "newest_intact", "open_checkpoint", "rank_file", "restore_rng", "save", "save_sharded",
-    "verify", "whole",
+    "set_aside", "verify", "whole",
 ]  # fmt: skip

@@ -24,7 +24,8 @@ from fmoe.checkpoint_format import MANIFEST, CheckpointWriteError
 from fmoe.checkpoint_verify import file_sha256, latest, list_checkpoints
 
 __all__ = [
-    "after_install", "aside_folder", "clean_temp", "digest", "install", "temp_folder", "undo", "write_text",
+    "after_install", "aside_folder", "clean_temp", "digest", "install", "set_aside", "temp_folder", "undo",
+    "write_text",
 ]  # fmt: skip
 
 _MOVED_ASIDE = re.compile(r"^\.tmp-old-(step_\d{8,})-[0-9a-f]+$")  # aside_folder's names
@@ -86,6 +87,21 @@ def after_install(root: Path, old: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for stale in list_checkpoints(root)[:-keep]:
         _drop(stale)
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a corrupt checkpoint ``<dir>/step_<N>`` to ``<dir>/corrupt-step_<N>`` (``-2``, ``-3``,
+    ... when taken): no longer a checkpoint, so neither resumed from nor counted by the keep-N
+    rotation (which would otherwise drop an intact older one for it), and its bytes stay for the
+    user to inspect or delete. Returns the new path."""
+    target = folder.with_name(f"corrupt-{folder.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"corrupt-{folder.name}-{n}")
+    os.rename(folder, target)
+    _fsync_dir(folder.parent)
+    return target
 
 
 def clean_temp(dir: str | os.PathLike) -> list[str]:

@@ -23,16 +23,22 @@ def warn(message: str) -> None:
 class MetricsLog:
     """Metrics as JSON lines (strict JSON: a non-finite number is written as null), and to
     TensorBoard when it is installed. A partial last line (a run killed mid-write) is cut off when
-    the file is opened again, so every line parses."""
+    the file is opened again, so every line parses.
 
-    def __init__(self, folder: Path):
+    start: the step the run starts from. Lines of later steps are a past run's that this one
+    repeats (it was killed after its last checkpoint, or fell back from a corrupt one): they move to
+    ``metrics.rewound.jsonl`` (appended, nothing lost), so ``metrics.jsonl`` holds each step once,
+    and TensorBoard purges them (``purge_step``)."""
+
+    def __init__(self, folder: Path, start: int = 0):
         folder.mkdir(parents=True, exist_ok=True)
         _cut_partial_last_line(folder / "metrics.jsonl")
+        _rewind(folder / "metrics.jsonl", start, folder / "metrics.rewound.jsonl")
         self.file = open(folder / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(folder / "tensorboard"))
+            self.tb = SummaryWriter(str(folder / "tensorboard"), purge_step=start + 1 if start else None)
         except Exception:  # tensorboard not installed
             self.tb = None
 
@@ -49,6 +55,32 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _rewind(path: Path, start: int, rewound: Path) -> None:
+    """Move the lines of ``path`` whose step is after ``start`` to the end of ``rewound``; the
+    shortened file replaces ``path`` atomically, after ``rewound`` is written and synced."""
+    if not path.is_file():
+        return
+    keep, moved = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            step = None  # not a metrics record: kept where it is
+        (moved if isinstance(step, int) and step > start else keep).append(line)
+    if not moved:
+        return
+    with open(rewound, "a") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _cut_partial_last_line(path: Path) -> None:

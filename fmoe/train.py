@@ -49,7 +49,7 @@ from torch import Tensor
 from fmoe import collectives, cuda_graphs, optim, parallel, sharding
 from fmoe.metrics_log import MetricsLog, Progress, warn
 from fmoe.preemption import StopSignals
-from fmoe.recipe import Recipe, RecipeError
+from fmoe.recipe import Recipe
 from fmoe.train_clock import Clock, throughput
 from fmoe.train_data import batch_stream, to_device
 from fmoe.train_setup import Run, pick_device, setup
@@ -198,7 +198,7 @@ class _Loop:
         lead, c = run.mesh.rank == 0, recipe.checkpoint
         self.recipe, self.device, self.last_steps = recipe, run.device, last_steps
         self.lr_schedule = lr_schedule
-        self.log = MetricsLog(Path(recipe.log.dir)) if lead else None
+        self.log = MetricsLog(Path(recipe.log.dir), counters["step"]) if lead else None
         self.stream = batch_stream(recipe, run.dataset, counters["data_cursor"])
         self.rate = throughput(recipe, run.family, run.device, run.mesh.world)
         self.progress = Progress(lead and recipe.log.progress, counters["step"], last_steps)
@@ -378,8 +378,6 @@ def _graphed_step(recipe: Recipe, mesh, device: torch.device, train_step: Callab
     a stage's randomness must come from torch's CUDA generator, which replays advance)."""
     if not recipe.train.cuda_graphs:
         return None
-    if device.type != "cuda":
-        raise RecipeError(f"{recipe.path}: train.cuda_graphs needs a CUDA device; this run is on {device}")
     if mesh.world > 1:
         if mesh.rank == 0:
             warn(

@@ -21,28 +21,47 @@ from fmoe.recipe import Recipe, RecipeError
 __all__ = ["batch_stream", "check_dataset_tokenizer", "ensure_dataset", "open_dataset", "to_device"]
 
 
+# the builtin corpus a "builtin" build tokenizes, written inside the dataset folder it builds
+BUILTIN_CORPUS = "builtin-corpus.txt"
+
+
 def ensure_dataset(recipe: Recipe) -> Path:
-    """The recipe's dataset folder, built first from ``data.build_from`` if it is missing."""
+    """The recipe's dataset folder, built first from ``data.build_from`` if it holds no dataset.
+
+    A build goes only into a missing or empty folder, or one an interrupted build left (it resumes):
+    a file, or a folder holding other files, is the user's and is refused untouched. With "builtin"
+    the corpus is written inside the folder (``BUILTIN_CORPUS``), nothing beside it."""
     path = Path(recipe.data.path)
     if (path / "index.json").is_file():
         return path
     source = recipe.data.build_from
+    where = f"{recipe.path}: data.path {str(path)!r}"
     if not source:
+        raise RecipeError(f"{where} holds no dataset and data.build_from is empty")
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"{where} is a file, not a dataset folder")
+    entries = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    # a folder fmoe's own build left: its build.json (data.build resumes it, or refuses another
+    # build's), or just the builtin corpus written before the build began
+    if entries and "build.json" not in entries and entries != {BUILTIN_CORPUS}:
         raise RecipeError(
-            f"{recipe.path}: data.path {str(path)!r} holds no dataset and data.build_from is empty"
+            f"{where} holds other files but no dataset (no index.json); data.build_from builds only "
+            f"into a missing or empty folder"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if source == "builtin":
-        text = path.with_name(path.name + "-corpus.txt")
-        if not text.is_file():
-            data.builtin_corpus(text, recipe.data.builtin_bytes)
-        source = str(text)
-    elif not Path(source).is_file():
+    if source != "builtin" and not Path(source).is_file():
         raise RecipeError(f"{recipe.path}: data.build_from file {source!r} not found")
     try:
+        path.mkdir(parents=True, exist_ok=True)
+        if source == "builtin":
+            text = path / BUILTIN_CORPUS
+            if not text.is_file():
+                data.builtin_corpus(text, recipe.data.builtin_bytes)
+            source = str(text)
         data.build([source], path, tokenizer=recipe.data.tokenizer, workers=min(2, os.cpu_count() or 1))
     except ValueError as e:  # the file's contents (data's errors name it)
         raise RecipeError(f"{recipe.path}: data.build_from: {e}") from None
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot build the dataset there ({e.strerror or e})") from None
     return path
 
 

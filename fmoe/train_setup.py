@@ -82,6 +82,8 @@ def setup(recipe: Recipe, stack: contextlib.ExitStack) -> Run:
     check_family(fam, cfg)  # every stage once on a tiny batch: a broken family named before any data
     check_dataset_tokenizer(recipe)
     device = place(recipe)
+    if recipe.train.cuda_graphs and device.type != "cuda":  # train.device = "auto" on a CPU machine
+        raise RecipeError(f"{recipe.path}: train.cuda_graphs needs a CUDA device; this run is on {device}")
     mesh = setup_mesh(recipe, device)
     dtype = _DTYPES[recipe.train.dtype]
     torch.manual_seed(recipe.train.seed)

@@ -10,8 +10,11 @@ canonical tensors its ZeRO-3 shards hold (``sharding.shard_range``), so a run re
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +34,46 @@ __all__ = [
     "initial_state",
     "opt_canonical",
     "read_shard",
+    "run_fields",
     "verify_share",
 ]
+
+# train's fields that change what a step computes (train.steps may grow: that extends a run)
+_TRAIN_RUN_FIELDS = ("global_batch", "seed", "dtype", "fp8", "fp8_dense", "fp8_dense_wgrad")
+_DATA_RUN_FIELDS = ("path", "tokenizer", "seq_len", "shuffle_seed")
+
+
+def run_fields(recipe: Recipe) -> dict[str, Any]:
+    """{"section.field": value} of what the steps compute - the model, the data stream, the
+    optimizer, the step's batch, seed and numerics - as JSON values. A checkpoint records them (its
+    trainer state's "recipe") and a resume names those that changed. Left out: train.steps (a run
+    is extended by raising it), the device, the layout and the output folders, which a resumed run
+    may change freely."""
+    out = {
+        f"model.{k}": v for k, v in dataclasses.asdict(recipe.model).items()
+    }  # a family's config dataclass
+    out |= {f"data.{k}": getattr(recipe.data, k) for k in _DATA_RUN_FIELDS}
+    out |= {f"train.{k}": getattr(recipe.train, k) for k in _TRAIN_RUN_FIELDS}
+    out |= {f"optim.{k}": v for k, v in dataclasses.asdict(recipe.optim).items()}
+    return json.loads(json.dumps(out, default=str))
+
+
+def _say_resumed(recipe: Recipe, resume_from: Path, step: int, recorded: Any) -> None:
+    """Rank 0's line on a resume, and a warning naming each field that differs from the recipe
+    that wrote the checkpoint (when it recorded one: ``run_fields``)."""
+    print(f"fmoe: resuming from {resume_from} at step {step}", flush=True)
+    if not isinstance(recorded, dict):
+        return
+    now = run_fields(recipe)
+    changed = [
+        f"{k} {json.dumps(recorded.get(k))} -> {json.dumps(now.get(k))}"
+        for k in sorted(set(now) | set(recorded))
+        if recorded.get(k) != now.get(k)
+    ]
+    if changed:
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        warn(f"{recipe.path or 'the recipe'} differs from the recipe that wrote {resume_from}: "
+             f"{', '.join(changed[:8])}{more}")  # fmt: skip
 
 
 def _check_writable(folder: str, field_name: str, where: str) -> None:
@@ -117,8 +158,10 @@ def agree_on_resume_point(recipe: Recipe, mesh, stack: contextlib.ExitStack) -> 
         )
     if mesh.rank == 0:
         for bad_path, reason in rejected:
+            aside = checkpoint.set_aside(bad_path)
             warn(
-                f"checkpoint {bad_path} is corrupt ({reason}); resuming from {chosen}, the newest intact one"
+                f"checkpoint {bad_path} is corrupt ({reason}); resuming from {chosen}, the newest intact one; "
+                f"the corrupt one is kept as {aside}, out of the checkpoints kept and rotated"
             )
     return chosen
 
@@ -197,6 +240,8 @@ def initial_state(recipe: Recipe, model, tx, shapes, infos, mesh, device, resume
     counters = {k: int(trainer_state.get(k, 0)) for k in counters}
     if "rng" in trainer_state:
         checkpoint.restore_rng(trainer_state["rng"])
+    if mesh.rank == 0:
+        _say_resumed(recipe, resume_from, counters["step"], trainer_state.get("recipe"))
     return shards, state, counters
 
 
@@ -214,6 +259,7 @@ class Checkpointer:
         self.dir, self.keep, self.asynchronous = Path(c.dir), c.keep, c.asynchronous
         self.mesh, self.device, self.infos, self.shapes = mesh, device, infos, shapes
         self.stops, self.clock = stops, clock
+        self.run_fields = run_fields(recipe)  # recorded in every save, compared by a resume
         self.writing: checkpoint.PendingSave | None = None  # a save whose files are still being written
         self.staging: dict[str, Tensor] = {}  # host buffers of asynchronous saves, reused save after save
         self.path: str | None = None
@@ -256,7 +302,7 @@ class Checkpointer:
         """Every rank writes its own shards (``checkpoint.begin_save``): nothing is gathered."""
         trainer_state = {"step": at, "data_cursor": counters["data_cursor"], "rng": checkpoint.capture_rng(),
                          "skipped_steps": counters["skipped_steps"],
-                         "nonfinite_streak": counters["nonfinite_streak"]}  # fmt: skip
+                         "nonfinite_streak": counters["nonfinite_streak"], "recipe": self.run_fields}  # fmt: skip
         return checkpoint.begin_save(
             self.dir, at, checkpoint_shards(shards, self.infos, self.mesh, self.shapes),
             opt_canonical(state, self.infos, self.mesh, self.shapes), trainer_state, keep=self.keep,

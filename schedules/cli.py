@@ -1,7 +1,8 @@
 """``fmoe schedule show NAME ...`` and ``fmoe schedule check FILE.csv``: timelines and figures.
 
-``main(argv)`` takes the words after ``schedule``; it prints one line ``error: ...`` to stderr and
-returns 2 on bad input, 1 when a checked table is invalid, 0 otherwise.
+``main(argv)`` takes the words after ``schedule``; on bad input - an argument, a file it cannot read,
+a table that does not parse or validate - it prints one line ``fmoe: error: ...`` to stderr and
+returns 2 (as every ``fmoe`` command), else 0.
 """
 
 from __future__ import annotations
@@ -94,23 +95,22 @@ def main(argv: list[str]) -> int:
                 print(f"wrote {args.csv}")
             _report(s, costs, args.png, args.width)
             return 0
+        s = read_csv(args.file)
         try:
-            s = read_csv(args.file)
             validate(s)
         except ScheduleError as e:
-            print(f"invalid: {e}", file=sys.stderr)
-            return 1
+            raise ScheduleError(f"invalid table: {e}") from None
         print(f"{args.file}: valid")
         _report(s, costs, args.png, args.width)
         return 0
     except _Exit as e:
         if e.code and e.message:
-            print(f"error: {e.message.strip()}", file=sys.stderr)
+            print(f"fmoe: error: {e.message.strip()}", file=sys.stderr)
         elif e.message:
             print(e.message, end="")
         return e.code
     except (ScheduleError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"fmoe: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

@@ -238,9 +238,11 @@ def read_csv(path: str | Path, text: str | None = None) -> Schedule:
     src = str(path)
     if text is None:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ScheduleError(f"{src}: cannot read: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ScheduleError(f"{src}: not a UTF-8 text table (byte {e.start}: {e.reason})") from None
     header: dict[str, str] = {}
     cols: list[str] | None = None
     per_rank: dict[int, list[Action]] = {}

@@ -218,10 +218,11 @@ def check_fields(
     non_negative: tuple[str, ...] = (),
     positive_or_none: tuple[str, ...] = (),
 ) -> None:
-    """ValueError naming the first of ``cfg``'s fields outside its range (non-negative ones first)."""
+    """ValueError naming the first of ``cfg``'s fields outside its range (non-negative ones first; a
+    field in both is checked as positive only, so -1 and 0 get the same message)."""
     name = type(cfg).__name__
     for field_name in non_negative:
-        if not getattr(cfg, field_name) >= 0:
+        if field_name not in positive and not getattr(cfg, field_name) >= 0:
             raise ValueError(f"{name}.{field_name} must be >= 0, got {getattr(cfg, field_name)}")
     for field_name in positive:
         if not getattr(cfg, field_name) > 0:

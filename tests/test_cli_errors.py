@@ -41,6 +41,7 @@ def train_cli(tmp_path, dataset, capsys, **sections) -> tuple[int, str, str]:
     "sections, field",
     [
         ({"model": {"head_dim": 0}}, "model.head_dim must be > 0"),
+        ({"model": {"hidden_size": -96}}, "model.hidden_size must be > 0, got -96"),
         ({"model": {"num_hidden_layers": 0}}, "model.num_hidden_layers must be > 0"),
         ({"model": {"moe_intermediate_size": 0}}, "model.moe_intermediate_size must be > 0"),
         ({"model": {"family": "deepseek_v2", "vocab_size": 264, "rope_theta": 0.0}}, "model.rope_theta must be > 0"),
@@ -70,6 +71,41 @@ def test_recipes_that_can_never_run_are_refused_up_front_naming_the_field(
     monkeypatch.setattr("fmoe.train_data.ensure_dataset", no_data)
     code, err, path = train_cli(tmp_path, dataset, capsys, **sections)
     assert_one_line_error(code, err, path, field)
+
+
+def test_cuda_graphs_on_a_cpu_chosen_by_auto_is_refused_before_anything_is_written(tmp_path, dataset, capsys):
+    # train.device = "auto" resolves to the CPU here: refused with the recipe's one line before
+    # the checkpoint folder is locked and before any log or plan is written
+    code, err, path = train_cli(tmp_path, dataset, capsys, train={"cuda_graphs": True, "device": "auto"})
+    assert_one_line_error(code, err, path, "train.cuda_graphs needs a CUDA device; this run is on cpu")
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "log").exists()
+
+
+def test_data_path_is_built_only_where_nothing_else_lies_and_leaves_nothing_beside(tmp_path, dataset, capsys):
+    # build_from builds into a missing or empty folder; a file, or a folder of other files, is the
+    # user's and is refused untouched; an unbuildable place is one line naming data.path
+    built = {"build_from": "builtin", "builtin_bytes": 20_000}
+    user = tmp_path / "user"
+    user.mkdir()
+    user_file = user / "notes.txt"
+    user_file.write_text("mine\n")
+    user_dir = user / "mine"
+    user_dir.mkdir()
+    (user_dir / "a.txt").write_text("mine too\n")
+    blocked = user_file / "data"  # under a file: no folder can be made there
+    for path, message in [
+        (user_file, f"data.path '{user_file}' is a file, not a dataset folder"),
+        (user_dir, f"data.path '{user_dir}' holds other files but no dataset"),
+        (blocked, f"data.path '{blocked}': cannot build the dataset there"),
+    ]:
+        code, err, recipe_path = train_cli(tmp_path, dataset, capsys, data={"path": str(path), **built})
+        assert_one_line_error(code, err, recipe_path, message)
+        assert sorted(p.name for p in user.iterdir()) == ["mine", "notes.txt"], "nothing written beside it"
+    assert user_file.read_text() == "mine\n" and [p.name for p in user_dir.iterdir()] == ["a.txt"]
+    fresh = user / "fresh" / "data"
+    code, err, _ = train_cli(tmp_path, dataset, capsys, data={"path": str(fresh), **built})
+    assert code == 0, err
+    assert (fresh / "index.json").is_file() and [p.name for p in fresh.parent.iterdir()] == ["data"]
 
 
 def test_a_tokenizer_other_than_the_datasets_is_refused_naming_both(tmp_path, dataset, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -172,6 +173,57 @@ def test_a_flipped_bit_falls_back_to_the_newest_intact_checkpoint_with_a_warning
     final, _, trainer = checkpoint.load(checkpoint.latest(tmp_path / "ckpt"))
     assert trainer["step"] == 6
     assert all(torch.equal(final[n], t) for n, t in straight.params.items())
+
+
+def test_a_corrupt_checkpoint_is_set_aside_so_keeping_n_never_drops_the_intact_one(tmp_path, dataset, capsys):
+    # keep = 2, saves at 3 and 6; step 6 corrupt: the run resumes from 3 and saves at 4. Counted
+    # among the kept two, the corrupt 6 would make rotation delete 3, the one intact fallback; it is
+    # moved aside instead, its bytes as they were, and the warning says where
+    d = recipe_dict(tmp_path, dataset, train={"steps": 8}, checkpoint={"every": 3, "keep": 2})
+    train(R.from_dict(d), stop_after=6)
+    ckpt = tmp_path / "ckpt"
+    older, newest = checkpoint.list_checkpoints(ckpt)
+    model = newest / checkpoint.MODEL
+    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    corrupt = folder_bytes(newest)
+    capsys.readouterr()
+    train(R.from_dict(d), stop_after=1)
+    err = capsys.readouterr().err
+    aside = ckpt / f"corrupt-{newest.name}"
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == [older.name, "step_00000004"]
+    assert folder_bytes(aside) == corrupt
+    warning = next(line for line in err.splitlines() if "is corrupt" in line)
+    assert str(aside) in warning and str(older) in warning
+    train(R.from_dict(d))  # a later run leaves it where it is
+    assert folder_bytes(aside) == corrupt
+
+
+def test_a_resume_says_so_and_names_the_recipe_fields_that_changed(tmp_path, dataset, capsys):
+    d = recipe_dict(tmp_path, dataset)
+    train(R.from_dict(d), stop_after=3)
+    capsys.readouterr()
+    train(R.from_dict(d), stop_after=1)  # the same recipe: said, no warning
+    out, err = capsys.readouterr()
+    assert f"fmoe: resuming from {tmp_path / 'ckpt' / 'step_00000003'} at step 3" in out
+    assert "differs" not in err
+    changed = recipe_dict(tmp_path, dataset, optim={"lr": 5e-3}, train={"steps": 9, "global_batch": 8})
+    train(R.from_dict(changed), stop_after=1)
+    warning = next(line for line in capsys.readouterr().err.splitlines() if "differs" in line)
+    assert "optim.lr 0.01 -> 0.005" in warning and "train.global_batch 4 -> 8" in warning
+    assert "train.steps" not in warning  # extending a run is not a change of what it computes
+
+
+def test_a_resume_moves_the_metrics_of_the_steps_it_repeats_aside(tmp_path, dataset):
+    # killed after step 5 but before its save: the resumed run repeats 4 and 5 from the checkpoint
+    # at 3; metrics.jsonl holds each step once, the first run's 4 and 5 move to metrics.rewound.jsonl
+    d = recipe_dict(tmp_path, dataset)
+    train(R.from_dict(d), stop_after=5)
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000005")
+    first = strict_json_lines(tmp_path / "log" / "metrics.jsonl")
+    train(R.from_dict(d))
+    steps = [r["step"] for r in strict_json_lines(tmp_path / "log" / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert strict_json_lines(tmp_path / "log" / "metrics.rewound.jsonl") == first[3:]
 
 
 @pytest.mark.parametrize("field", ["checkpoint.dir", "log.dir"])

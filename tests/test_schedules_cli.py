@@ -38,13 +38,17 @@ def test_check_rejects_a_broken_table_naming_the_row(tmp_path, capsys):
     text = write_csv(generate("1f1b", 2, 2)).replace("1,F,0,0\n1,BW,0,0\n", "1,BW,0,0\n1,F,0,0\n")
     path = tmp_path / "bad.csv"
     path.write_text(text)
-    assert main(["check", str(path)]) == 1
+    assert main(["check", str(path)]) == 2  # a bad table is bad input, as everywhere in fmoe
     err = capsys.readouterr().err.strip()
-    assert err.startswith("invalid: rank 1 row 0 (") and "line 7): BW(mb=0, chunk=0)" in err
+    assert (
+        err.startswith("fmoe: error: invalid table: rank 1 row 0 (") and "line 7): BW(mb=0, chunk=0)" in err
+    )
     assert len(err.splitlines()) == 1
 
 
 def test_bad_input_gives_one_line_errors(tmp_path, capsys):
+    binary = tmp_path / "weights.csv"
+    binary.write_bytes(bytes(range(256)) * 4)
     cases = [
         (["show", "dualpipev", "--pp", "4", "--microbatches", "4"], "needs microbatches >= 2 * pp"),
         (["show", "nope", "--pp", "4", "--microbatches", "4"], "unknown schedule 'nope'"),
@@ -54,13 +58,14 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys):
             "--costs: f='a' is not a number",
         ),
         (["check", str(tmp_path / "missing.csv")], "cannot read"),
+        (["check", str(binary)], f"{binary}: not a UTF-8 text table"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ]
     for argv, message in cases:
         code = main(argv)
         err = capsys.readouterr().err.strip()
-        assert code != 0, argv
-        assert message in err and len(err.splitlines()) == 1, (argv, err)
+        assert code == 2, argv
+        assert err.startswith("fmoe: error: ") and message in err and len(err.splitlines()) == 1, (argv, err)
 
 
 def test_help_returns_zero(capsys):

@@ -29,15 +29,22 @@ from fmoe.checkpoint_format import (
 __all__ = ["file_sha256", "latest", "list_checkpoints", "manifest_files", "newest_intact", "verify"]
 
 
-def list_checkpoints(dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoint folders under ``dir``, oldest step first; temp folders are ignored."""
+def list_checkpoints(dir: str | os.PathLike, *, damaged: bool = False) -> list[Path]:
+    """Complete checkpoint folders under ``dir``, oldest step first; temp folders are ignored.
+
+    damaged: also the ``step_<N>`` folders that hold some of a checkpoint's files but not all three
+    (one deleted or lost since the folder was installed whole): a resume lists them, rejects them as
+    corrupt and sets them aside, so a run neither skips one silently nor overwrites what is left."""
     root = Path(dir)
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and p.is_dir() and all((p / f).is_file() for f in (MODEL, OPTIM, TRAINER)):
+        if not (m and p.is_dir()):
+            continue
+        present = [(p / f).is_file() for f in (MODEL, OPTIM, TRAINER)]
+        if all(present) or (damaged and (any(present) or (p / MANIFEST).is_file())):
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
 

@@ -107,9 +107,18 @@ def open_dataset(recipe: Recipe, vocab_size: int, rank: int, world: int) -> data
     seq, global_batch = recipe.data.seq_len, recipe.train.global_batch
     try:
         data.check_vocab(dataset, vocab_size)
-        data.check_size(dataset, steps=recipe.train.steps, global_batch=global_batch, seq=seq)
     except ValueError as e:
         raise RecipeError(f"{recipe.path}: {e}") from None
+    try:
+        data.check_size(dataset, steps=recipe.train.steps, global_batch=global_batch, seq=seq)
+    except ValueError as e:
+        # an existing data.path is used as it is: data.build_from builds only a missing one
+        rebuild = (
+            f" (data.build_from builds only a missing data.path: move {dataset.path} away to rebuild it)"
+            if recipe.data.build_from
+            else ""
+        )
+        raise RecipeError(f"{recipe.path}: {e}{rebuild}") from None
     return dataset
 
 

@@ -107,12 +107,17 @@ def _resume_candidates(recipe: Recipe, stack: contextlib.ExitStack) -> list[Path
         warn(f"an interrupted run's leftovers: {line}")
     if not recipe.checkpoint.resume:
         return []
-    return list(reversed(checkpoint.list_checkpoints(ckpt_dir)))
+    return list(reversed(checkpoint.list_checkpoints(ckpt_dir, damaged=True)))
 
 
 def verify_share(path: Path, rank: int, world: int) -> str | None:
     """Check this rank's share of a checkpoint's files (every world-th of the manifest's, from the
     rank's own): None when they verify, else the reason."""
+    missing = [
+        f for f in (checkpoint.MODEL, checkpoint.OPTIM, checkpoint.TRAINER) if not (path / f).is_file()
+    ]
+    if missing:  # every checkpoint has the three (a sharded one's rank-0 files under these names)
+        return f"{path / missing[0]}: missing"
     try:
         checkpoint.verify(path, checkpoint.manifest_files(path)[rank::world])
         # the small files parse too (their bytes may match a manifest that was written so)

@@ -106,6 +106,10 @@ def test_data_path_is_built_only_where_nothing_else_lies_and_leaves_nothing_besi
     code, err, _ = train_cli(tmp_path, dataset, capsys, data={"path": str(fresh), **built})
     assert code == 0, err
     assert (fresh / "index.json").is_file() and [p.name for p in fresh.parent.iterdir()] == ["data"]
+    # built once, it is used as it is: too small for a longer run, the error says how to rebuild
+    more = {"path": str(fresh), **built, "builtin_bytes": 2_000_000}
+    code, err, recipe_path = train_cli(tmp_path, dataset, capsys, data=more, train={"steps": 100_000})
+    assert_one_line_error(code, err, recipe_path, "is too small", f"move {fresh} away to rebuild it")
 
 
 def test_a_tokenizer_other_than_the_datasets_is_refused_naming_both(tmp_path, dataset, capsys):

@@ -175,16 +175,23 @@ def test_a_flipped_bit_falls_back_to_the_newest_intact_checkpoint_with_a_warning
     assert all(torch.equal(final[n], t) for n, t in straight.params.items())
 
 
-def test_a_corrupt_checkpoint_is_set_aside_so_keeping_n_never_drops_the_intact_one(tmp_path, dataset, capsys):
-    # keep = 2, saves at 3 and 6; step 6 corrupt: the run resumes from 3 and saves at 4. Counted
-    # among the kept two, the corrupt 6 would make rotation delete 3, the one intact fallback; it is
-    # moved aside instead, its bytes as they were, and the warning says where
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_corrupt_checkpoint_is_set_aside_so_keeping_n_never_drops_the_intact_one(
+    tmp_path, dataset, capsys, damage
+):
+    # keep = 2, saves at 3 and 6; step 6 corrupt (a file truncated, or deleted): the run resumes
+    # from 3 and saves at 4. Counted among the kept two, the corrupt 6 would make rotation delete 3,
+    # the one intact fallback (and a silently skipped 6 would be overwritten when the run saves 6
+    # again); it is moved aside instead, its bytes as they were, and the warning says where
     d = recipe_dict(tmp_path, dataset, train={"steps": 8}, checkpoint={"every": 3, "keep": 2})
     train(R.from_dict(d), stop_after=6)
     ckpt = tmp_path / "ckpt"
     older, newest = checkpoint.list_checkpoints(ckpt)
     model = newest / checkpoint.MODEL
-    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    if damage == "truncated":
+        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    else:
+        model.unlink()
     corrupt = folder_bytes(newest)
     capsys.readouterr()
     train(R.from_dict(d), stop_after=1)

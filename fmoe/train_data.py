@@ -40,7 +40,10 @@ def ensure_dataset(recipe: Recipe) -> Path:
         raise RecipeError(f"{where} holds no dataset and data.build_from is empty")
     if path.exists() and not path.is_dir():
         raise RecipeError(f"{where} is a file, not a dataset folder")
-    entries = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    try:
+        entries = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot read it ({e.strerror or e})") from None
     # a folder fmoe's own build left: its build.json (data.build resumes it, or refuses another
     # build's), or just the builtin corpus written before the build began
     if entries and "build.json" not in entries and entries != {BUILTIN_CORPUS}:

@@ -49,9 +49,8 @@ def run_fields(recipe: Recipe) -> dict[str, Any]:
     trainer state's "recipe") and a resume names those that changed. Left out: train.steps (a run
     is extended by raising it), the device, the layout and the output folders, which a resumed run
     may change freely."""
-    out = {
-        f"model.{k}": v for k, v in dataclasses.asdict(recipe.model).items()
-    }  # a family's config dataclass
+    # a family's config is a frozen dataclass (``fmoe.stages.family.Family.config_class``)
+    out = {f"model.{k}": v for k, v in dataclasses.asdict(recipe.model).items()}
     out |= {f"data.{k}": getattr(recipe.data, k) for k in _DATA_RUN_FIELDS}
     out |= {f"train.{k}": getattr(recipe.train, k) for k in _TRAIN_RUN_FIELDS}
     out |= {f"optim.{k}": v for k, v in dataclasses.asdict(recipe.optim).items()}

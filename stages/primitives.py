@@ -262,7 +262,7 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
         from fmoe.kernels.fp8_quant import GATHER_MAX_PARTS
 
         if len(parts) <= GATHER_MAX_PARTS:
-            return _fp8_weight_grad_gathered(parts, dests, offs)
+            return _fp8_weight_grad_gathered(parts, dests, offs, n)
     from fmoe.kernels.permute import scatter_rows
 
     x = first.x.new_empty(n, first.x.shape[1])
@@ -273,14 +273,17 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype)
 
 
-def _fp8_weight_grad_gathered(parts: list[GroupedWeightGrad], dests: list[Tensor], offs: Tensor) -> Tensor:
+def _fp8_weight_grad_gathered(
+    parts: list[GroupedWeightGrad], dests: list[Tensor], offs: Tensor, n: int
+) -> Tensor:
     """The merged FP8 expert weight gradient with no copy of the rows: the token-wise quantization
     the GEMM needs reads each merged row where it lies (the bits equal quantizing the copy).
-    dests[i]: [rows_i] int64, the merged row of each row of parts[i]; offs: [E] int32 merged ends."""
+    dests[i]: [rows_i] int64, the merged row of each row of parts[i]; offs: [E] int32 merged ends;
+    n: the merged rows."""
     from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
     from fmoe.kernels.fp8_quant import quantize_act_t_gathered
 
-    n, device = sum(d.shape[0] for d in dests), offs.device
+    device = offs.device
     src_part = torch.empty(n, dtype=torch.int32, device=device)
     src_row = torch.empty(n, dtype=torch.int32, device=device)
     for i, dest in enumerate(dests):

@@ -9,7 +9,8 @@
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 #   OUT=/tmp/out benchmarks/run_h200.sh fp8      # FP8 kernels: GPU tests, merged W (gathered vs copied),
 #                                                # bandwidth, every tile config at a micro-batch's expert rows
-# Issue 26's per-layer rows: `policies fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16w_graphs` and `deepseek`.
+# Issue 26's per-layer rows: `policies fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16allw_graphs` and `deepseek`.
+# The whole GPU tier: `TRITON_INTERPRET=0 python3 -m pytest -m cuda tests/`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"

@@ -176,6 +176,15 @@ FMOE_VARIANTS = {
     "fmoe_fp8_experts_graphs": {"fp8": True, "fp8_dense": False, "cuda_graphs": True},
     # FP8 forward and input-gradient GEMMs everywhere, the projections' weight gradients in bf16
     "fmoe_fp8_bf16w_graphs": {"fp8": True, "fp8_dense_wgrad": False, "cuda_graphs": True},
+    # ... and the experts' weight gradients in bf16 (FP8 forward and input gradient for them too)
+    "fmoe_fp8_bf16ew_graphs": {"fp8": True, "fp8_expert_wgrad": False, "cuda_graphs": True},
+    # every weight gradient in bf16: FP8 for the forward and input-gradient GEMMs alone
+    "fmoe_fp8_bf16allw_graphs": {
+        "fp8": True,
+        "fp8_dense_wgrad": False,
+        "fp8_expert_wgrad": False,
+        "cuda_graphs": True,
+    },
     # memory policies (issue 25): each stage's F re-run before its B; the norms' and SwiGLU outputs
     # recomputed; each micro-batch's expert weight GEMMs right after its B (no merging over the step)
     "fmoe_recompute_full": {"memory": MemoryPolicy(recompute="full")},
@@ -296,6 +305,7 @@ def fmoe_step_fn(
     fp32_grads: bool = False,
     fp8_dense: bool = True,
     fp8_dense_wgrad: bool = True,
+    fp8_expert_wgrad: bool = True,
     cuda_graphs: bool = False,
     memory: MemoryPolicy | None = None,
     family=qwen3_moe.FAMILY,
@@ -314,7 +324,8 @@ def fmoe_step_fn(
         unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
         microbatches, policy = tokens.shape[0] // micro_batch, memory or MemoryPolicy()
         fp8_mode = fp8_training(  # with the policy's FP8 input caching, as fmoe train
-            fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, cache_inputs=policy.fp8_cache,
+            fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,
+            cache_inputs=policy.fp8_cache,
             cache_expert_inputs=policy.fp8_cache_experts(1, microbatches),
         )  # fmt: skip
         with fp8_mode, unfused:

@@ -156,6 +156,7 @@ def parallel_step(
     fp8: bool = False,
     fp8_dense: bool = True,
     fp8_dense_wgrad: bool = True,
+    fp8_expert_wgrad: bool = True,
     timeout_s: float = D.DEFAULT_TIMEOUT_S,
     gather: str = "chunk",
     plan: GatherPlan | None = None,
@@ -167,8 +168,8 @@ def parallel_step(
     shards/infos: this rank's parameter shards and their layout (``layout``); batch: the GLOBAL
     batch (every rank passes the same; each takes its share); schedule: a table for pp > 1; fp8:
     the step's GEMMs in FP8 (each weight quantized once here, reused by every microbatch; with
-    fp8_dense=False only the expert GEMMs; fp8_dense_wgrad=False the dense weight gradients in the
-    compute dtype, see ``fp8_training``); timeout_s: how long a pipeline
+    fp8_dense=False only the expert GEMMs; fp8_dense_wgrad=False / fp8_expert_wgrad=False the dense /
+    expert weight gradients in the compute dtype, see ``fp8_training``); timeout_s: how long a pipeline
     rank waits for a peer before it gives up (``fmoe.dist.wait``); gather: "chunk" (per layer /
     pipeline chunk, wherever a parameter is sharded and fp8 is off) or "step" (all at once), see
     the module docstring; both give bitwise the same results; plan: the "chunk" policy's plan,
@@ -191,7 +192,8 @@ def parallel_step(
         params = gather_params(shards, infos, mesh, dtype, uncast=model.buffers)
         policy = memory or MemoryPolicy()  # its FP8 input caching (``memory.fp8_cache``)
         with fp8_training(
-            fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, cache_inputs=policy.fp8_cache,
+            fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,
+            cache_inputs=policy.fp8_cache,
             cache_expert_inputs=policy.fp8_cache_experts(mesh.pp, num_microbatches),
         ):  # fmt: skip
             result = run(params, hooks=None)

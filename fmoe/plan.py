@@ -346,7 +346,14 @@ def _rank_terms(
     if family is not None:
         t, pp = recipe.train, 1 if table is None else table.pp
         fp8 = Fp8Caching.of(
-            t.fp8, t.fp8_dense, policy, pp, t.microbatches, model.num_experts // ep, t.fp8_dense_wgrad
+            t.fp8,
+            t.fp8_dense,
+            policy,
+            pp,
+            t.microbatches,
+            model.num_experts // ep,
+            t.fp8_dense_wgrad,
+            t.fp8_expert_wgrad,
         )
         acts, acts_and_grads = rank_activation_peaks(
             family, recipe.model, model, table, s.pp_rank, mb, s.grad_bytes, t.microbatches, policy, ep, fp8

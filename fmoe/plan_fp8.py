@@ -39,14 +39,16 @@ class Fp8Caching:
         microbatches: int,
         local_experts: int,
         fp8_dense_wgrad: bool = True,
+        fp8_expert_wgrad: bool = True,
     ) -> Fp8Caching | None:
-        """The caching of a step (``train.fp8``, ``train.fp8_dense``, ``train.fp8_dense_wgrad``, the
-        ``[memory]`` policy); None: none. A dense weight gradient in the compute dtype reads the
-        input itself, so nothing dense is cached."""
+        """The caching of a step (``train.fp8``, ``train.fp8_dense``, ``train.fp8_dense_wgrad``,
+        ``train.fp8_expert_wgrad``, the ``[memory]`` policy); None: none. A weight gradient in the
+        compute dtype reads the input itself, so nothing of its kind is cached."""
         if not (fp8 and policy.fp8_cache):
             return None
         dense = fp8_dense and fp8_dense_wgrad
-        return Fp8Caching(dense, policy.fp8_cache_experts(pp, microbatches), local_experts)
+        experts = fp8_expert_wgrad and policy.fp8_cache_experts(pp, microbatches)
+        return Fp8Caching(dense, experts, local_experts)
 
 
 class Fp8Input(NamedTuple):

@@ -55,6 +55,9 @@ class TrainConfig:
     # with fp8_dense: their weight gradients in FP8 too (False: in the compute dtype, on the input kept
     # in it; no token-wise quantization of the input and output gradient)
     fp8_dense_wgrad: bool = True
+    # with fp8: the experts' weight gradients in FP8 too (False: in the compute dtype; a step's merged
+    # BF16 grouped GEMM beats the FP8 one with its token-wise quantization counted)
+    fp8_expert_wgrad: bool = True
     # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run
     max_nonfinite_steps: int = 10
     threads: int = 0  # torch CPU threads of this process; 0: 1 on CPU runs (see fmoe.train.cpu_threads)

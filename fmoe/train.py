@@ -334,6 +334,7 @@ def _step_function(recipe: Recipe, run: Run, tx: optim.GradientTransformation) -
             run.model, shards, run.infos, batch, recipe.train.microbatches, run.mesh, schedule=run.table,
             dtype=None if run.dtype == torch.float32 else run.dtype, seed=seed,
             fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, fp8_dense_wgrad=recipe.train.fp8_dense_wgrad,
+            fp8_expert_wgrad=recipe.train.fp8_expert_wgrad,
             timeout_s=recipe.parallel.timeout_s,
             gather=recipe.parallel.gather, plan=run.gathers, memory=run.memory,
         )  # fmt: skip

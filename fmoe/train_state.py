@@ -39,7 +39,15 @@ __all__ = [
 ]
 
 # train's fields that change what a step computes (train.steps may grow: that extends a run)
-_TRAIN_RUN_FIELDS = ("global_batch", "seed", "dtype", "fp8", "fp8_dense", "fp8_dense_wgrad")
+_TRAIN_RUN_FIELDS = (
+    "global_batch",
+    "seed",
+    "dtype",
+    "fp8",
+    "fp8_dense",
+    "fp8_dense_wgrad",
+    "fp8_expert_wgrad",
+)
 _DATA_RUN_FIELDS = ("path", "tokenizer", "seq_len", "shuffle_seed")
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "cols_from_saved",
     "cols_to_save",
     "fp8_dense_wgrad",
+    "fp8_expert_wgrad",
     "fp8_training",
     "fp8_weight",
     "input_scope",
@@ -64,6 +65,9 @@ __all__ = [
 _FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
 _FP8_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense", default=True)
 _FP8_DENSE_WGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense_wgrad", default=True)
+_FP8_EXPERT_WGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fmoe_fp8_expert_wgrad", default=True
+)
 # the primitives whose inputs are cached now: "linear" and/or "grouped_linear"
 _CACHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "fmoe_fp8_cached", default=frozenset()
@@ -98,6 +102,7 @@ def fp8_training(
     *,
     dense: bool = True,
     dense_wgrad: bool = True,
+    expert_wgrad: bool = True,
     cache_inputs: bool = False,
     cache_expert_inputs: bool = False,
 ) -> Iterator[None]:
@@ -114,6 +119,9 @@ def fp8_training(
     their weight gradient in the compute dtype, on the input kept in it: no token-wise quantization
     of x and dy, which at a few thousand tokens per micro-batch costs more than the FP8 GEMM saves
     (``benchmarks/results/fp8_gemms_h200.json``); the gradient is then that of the compute dtype.
+    ``expert_wgrad=False`` does the same for the experts' (``grouped_linear``) weight gradients: the
+    merged BF16 grouped GEMM over a step's rows beats the FP8 one once the token-wise quantization of
+    x and dy is counted (``benchmarks/bench_fp8.py --parts merge``); no expert input is cached then.
     cache_inputs / cache_expert_inputs: ``linear`` / ``grouped_linear`` keep their input in the FP8
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the
     module docstring). Expert inputs only where no micro-batch's expert W is merged with another's
@@ -122,6 +130,7 @@ def fp8_training(
     token = _FP8_WEIGHTS.set({} if enabled else None)
     dense_token = _FP8_DENSE.set(dense)
     wgrad_token = _FP8_DENSE_WGRAD.set(dense_wgrad)
+    expert_wgrad_token = _FP8_EXPERT_WGRAD.set(expert_wgrad)
     kinds = frozenset(
         k for k, on in (("linear", cache_inputs), ("grouped_linear", cache_expert_inputs)) if on
     )
@@ -130,6 +139,7 @@ def fp8_training(
         yield
     finally:
         _CACHED.reset(cached_token)
+        _FP8_EXPERT_WGRAD.reset(expert_wgrad_token)
         _FP8_DENSE_WGRAD.reset(wgrad_token)
         _FP8_DENSE.reset(dense_token)
         _FP8_WEIGHTS.reset(token)
@@ -173,6 +183,11 @@ def fp8_weight(x: Tensor, w: Tensor, dense: bool):
 def fp8_dense_wgrad() -> bool:
     """Whether an FP8 ``linear``'s weight gradient runs in FP8 (``fp8_training(dense_wgrad=...)``)."""
     return _FP8_DENSE_WGRAD.get()
+
+
+def fp8_expert_wgrad() -> bool:
+    """Whether an FP8 ``grouped_linear``'s weight gradient runs in FP8 (``fp8_training(expert_wgrad=...)``)."""
+    return _FP8_EXPERT_WGRAD.get()
 
 
 @contextlib.contextmanager

@@ -398,7 +398,9 @@ class _Fp8Linear(torch.autograd.Function):
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, w: Tensor, offs: Tensor, w_fp8, cached: CachedInput | None) -> Tensor:
+    def forward(
+        x: Tensor, w: Tensor, offs: Tensor, w_fp8, cached: CachedInput | None, fp8_wgrad: bool
+    ) -> Tensor:
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward
 
         return fp8_grouped_linear_forward(
@@ -407,9 +409,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, offs, w_fp8, cached = inputs
+        x, w, offs, w_fp8, cached, fp8_wgrad = inputs
         ctx.save_for_backward(offs, *((x,) if cached is None else cols_to_save(cached.cols)))
-        ctx.cached = cached is not None
+        ctx.cached, ctx.fp8_wgrad = cached is not None, fp8_wgrad
         ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
@@ -424,13 +426,15 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             else None
         )
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None, None
+            return dx, None, None, None, None, None
         # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads)
-        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=True, out_dtype=ctx.weight.dtype)
+        compute = GroupedWeightGrad(
+            x, dy, offs, ctx.weight.shape[0], fp8=ctx.fp8_wgrad, out_dtype=ctx.weight.dtype
+        )
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
-            return dx, None, None, None, None
-        return dx, compute(), None, None, None
+            return dx, None, None, None, None, None
+        return dx, compute(), None, None, None, None
 
 
 def linear(x: Tensor, w: Tensor, fp8: bool = True, cache: bool = True) -> Tensor:
@@ -459,10 +463,12 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Expert-grouped ``x_e @ w[e].T`` with a deferrable weight gradient.
 
     x: [n, in] rows grouped by expert, w: [E, out, in], offs: [E] int32 cumulative end offsets
-    (an expert may get no rows) -> [n, out]. FP8 inside :func:`fp8_training`, as for ``linear``.
+    (an expert may get no rows) -> [n, out]. FP8 inside :func:`fp8_training`, as for ``linear``;
+    opened with ``expert_wgrad=False``, its weight gradient runs in the compute dtype.
     """
     w_fp8 = fp8_mode.fp8_weight(x, w, dense=False)
     if w_fp8 is not None:
-        cached = fp8_mode.cached_input("grouped_linear", x, x, offs)
-        return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached)
+        fp8_wgrad = fp8_mode.fp8_expert_wgrad()  # else W reads x itself: nothing to cache
+        cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
+        return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached, fp8_wgrad)
     return _GroupedLinear.apply(x, w, offs)

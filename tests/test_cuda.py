@@ -512,7 +512,9 @@ GRAPHED_MODELS = {
 
 @pytest.mark.parametrize("family", list(GRAPHED_MODELS))
 @pytest.mark.parametrize(
-    "fp8", [False, True, "bf16_dense_wgrad"], ids=["bf16", "fp8", "fp8_bf16_dense_wgrad"]
+    "fp8",
+    [False, True, "bf16_dense_wgrad", "bf16_expert_wgrad"],
+    ids=["bf16", "fp8", "fp8_bf16_dense_wgrad", "fp8_bf16_expert_wgrad"],
 )
 def test_fmoe_train_with_cuda_graphs_is_bitwise_the_eager_run(tmp_path, dataset, monkeypatch, fp8, family):
     """`fmoe train` with train.cuda_graphs: the same losses and parameters, bit for bit, as the eager
@@ -537,7 +539,8 @@ def test_fmoe_train_with_cuda_graphs_is_bitwise_the_eager_run(tmp_path, dataset,
             "model": model,
             "data": {"path": dataset, "seq_len": 256},
             "train": {"steps": 6, "global_batch": 4, "microbatches": 2, "device": "cuda", "dtype": "bfloat16",
-                      "fp8": bool(fp8), "fp8_dense_wgrad": fp8 != "bf16_dense_wgrad", "cuda_graphs": graphs},
+                      "fp8": bool(fp8), "fp8_dense_wgrad": fp8 != "bf16_dense_wgrad",
+                      "fp8_expert_wgrad": fp8 != "bf16_expert_wgrad", "cuda_graphs": graphs},
             "optim": {"lr": 1e-3, "warmup": 2},
             "checkpoint": {"dir": str(tmp_path / folder / "ckpt"), "every": 3, "keep": 1},
             "log": {"dir": str(tmp_path / folder / "log"), "every": 2, "progress": False},

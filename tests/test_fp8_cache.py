@@ -207,6 +207,42 @@ def test_the_trainer_step_runs_the_dense_wgrad_in_bf16_from_the_recipe(monkeypat
     assert not any("experts" in n for n in changed)
 
 
+def test_the_trainer_step_runs_the_expert_wgrad_in_bf16_from_the_recipe(monkeypatch):
+    # train.fp8_expert_wgrad = false reaches parallel_step: no expert input is cached, the experts'
+    # weight gradients change (merged over the micro-batches or not) and nothing else does
+    data = {"model": {"family": "qwen3_moe"}, "train": {"fp8": True}}
+    assert recipe.from_dict(data).train.fp8_expert_wgrad is True
+    flag = recipe.from_dict(
+        {**data, "train": {"fp8": True, "fp8_expert_wgrad": False}}
+    ).train.fp8_expert_wgrad
+    assert flag is False
+    with pytest.raises(recipe.RecipeError, match=r"^r.toml: train.fp8_expert_wgrad must be bool"):
+        recipe.from_dict({**data, "train": {"fp8_expert_wgrad": 0}}, "r.toml")
+    model, mesh, infos, shards, batch = one_process(fp8_config())
+    kinds = cached_kinds(monkeypatch)
+    merged_fp8 = []  # each merge's parts' fp8 flags
+    real = primitives.merge_grouped_weight_grads
+    monkeypatch.setattr(
+        runner,
+        "merge_grouped_weight_grads",
+        lambda parts: merged_fp8.append({p.fp8 for p in parts}) or real(parts),
+    )
+    for window in (1, 0):  # one micro-batch's W each (expert inputs cacheable), merged over the step
+        out = {}
+        for fp8_wgrad in (True, False):
+            kinds.clear()
+            merged_fp8.clear()
+            out[fp8_wgrad] = parallel.parallel_step(
+                model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True,
+                fp8_expert_wgrad=fp8_wgrad, memory=MemoryPolicy(merge_window=window),
+            ).grad_shards  # fmt: skip
+            assert ("grouped_linear" in kinds) is (fp8_wgrad and window == 1) and "linear" in kinds
+            assert window == 1 or merged_fp8 == [{fp8_wgrad}] * fp8_config().num_hidden_layers
+        changed = {n for n, g in out[False].items() if not torch.equal(g, out[True][n])}
+        assert changed and all("experts" in n for n in changed), sorted(changed)
+        assert not any(n.endswith("q_proj.weight") for n in changed)
+
+
 def saved_bytes(fn) -> int:
     """Bytes of the tensors autograd saves while ``fn`` runs (distinct storages)."""
     seen: dict[int, int] = {}
@@ -399,6 +435,10 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     # a dense weight gradient in the compute dtype reads x itself: no dense input is cached
     assert Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, 4, fp8_dense_wgrad=False) == (
         Fp8Caching(dense=False, experts=True, local_experts=4)
+    )
+    # and an expert weight gradient in the compute dtype: no expert input is cached
+    assert Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, 4, fp8_expert_wgrad=False) == (
+        Fp8Caching(dense=True, experts=False, local_experts=4)
     )
 
 

@@ -156,22 +156,29 @@ def test_fp8_dense_false_keeps_the_projections_in_the_compute_dtype(quantized_sh
     assert err(experts_only) < err(everything)
 
 
+@pytest.fixture
+def token_wise_quantizations(monkeypatch) -> list[int]:
+    """One entry per token-wise quantization (the torch backend's, which this module's tests run)."""
+    from fmoe.kernels import fp8_quant
+
+    calls = []
+    real = fp8_quant.quantize_act_t_reference
+    monkeypatch.setattr(
+        fp8_quant, "quantize_act_t_reference", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    return calls
+
+
 @pytest.mark.parametrize("deferred", [True, False], ids=["tape", "autograd"])
-def test_fp8_dense_wgrad_false_runs_w_in_the_compute_dtype_on_x_itself(deferred, monkeypatch):
+def test_fp8_dense_wgrad_false_runs_w_in_the_compute_dtype_on_x_itself(deferred, token_wise_quantizations):
     # dense_wgrad=False: the same FP8 forward and input gradient; the weight gradient is bf16's
     # dy^T @ x (within one bf16 rounding of float64 plus float32 accumulation over the 384 tokens),
     # x is saved in bf16 even where inputs are cached, and nothing is quantized along tokens
-    from fmoe.kernels import fp8_quant
-
+    calls = token_wise_quantizations
     gen = torch.Generator().manual_seed(7)
     x0 = torch.randn(384, 256, generator=gen).bfloat16()
     w = (torch.randn(128, 256, generator=gen) * 0.05).bfloat16()
     dy = torch.randn(384, 128, generator=gen).bfloat16()
-    calls = []  # token-wise quantizations (the torch backend's, which this module's tests run)
-    real_t = fp8_quant.quantize_act_t_reference
-    monkeypatch.setattr(
-        fp8_quant, "quantize_act_t_reference", lambda *a, **k: calls.append(1) or real_t(*a, **k)
-    )
     out = {}
     for fp8_wgrad in (True, False):
         calls.clear()
@@ -196,6 +203,55 @@ def test_fp8_dense_wgrad_false_runs_w_in_the_compute_dtype_on_x_itself(deferred,
     ref = dy.double().t() @ x0.double()
     bound = 2.0**-8 * ref.abs() + 384 * 2.0**-24 * (dy.double().abs().t() @ x0.double().abs())
     assert dw.dtype == torch.bfloat16 and ((dw.double() - ref).abs() <= bound).all()
+    assert not torch.equal(dw, dw8), "the FP8 weight gradient must differ"
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["tape", "autograd"])
+def test_fp8_expert_wgrad_false_runs_the_experts_w_in_the_compute_dtype_on_x_itself(
+    deferred, token_wise_quantizations
+):
+    # expert_wgrad=False: the same FP8 grouped forward and input gradient; each expert's weight
+    # gradient is bf16's dy_e^T @ x_e (within one bf16 rounding of float64 plus float32 accumulation
+    # over the expert's rows), x is saved in bf16 even where expert inputs are cached, and nothing is
+    # quantized along tokens
+    calls = token_wise_quantizations
+    gen = torch.Generator().manual_seed(8)
+    counts = [200, 0, 56, 128]  # an empty expert, ragged ones
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    n, E = sum(counts), len(counts)
+    x0 = torch.randn(n, 256, generator=gen).bfloat16()
+    w = (torch.randn(E, 128, 256, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(n, 128, generator=gen).bfloat16()
+    out = {}
+    for fp8_wgrad in (True, False):
+        calls.clear()
+        with fp8_training(True, expert_wgrad=fp8_wgrad, cache_expert_inputs=True):
+            if deferred:
+                stage = Stage("ex", lambda p, i, c: (grouped_linear(i[0] * 1, p["w"], offs),), ("e.w",), "e.")
+                (y,), fwd = S.forward(stage, {"e.w": w}, (x0,), StageContext())
+                (dx,), work = S.backward_input(fwd, (dy,))
+                (entry,) = [compute for _, compute in work.tape.entries]
+                x_saved, fp8_w = entry.x, entry.fp8
+                dw = S.backward_weight(work)["e.w"]
+            else:
+                xl, wl = x0.clone().requires_grad_(), w.clone().requires_grad_()
+                y = grouped_linear(xl * 1, wl, offs)
+                y.backward(dy)
+                dx, dw, x_saved, fp8_w = xl.grad, wl.grad, None, fp8_wgrad
+        out[fp8_wgrad] = (y, dx, dw, x_saved, fp8_w, len(calls))
+    (y8, dx8, dw8, _, w8, quantized), (y, dx, dw, x_saved, wb, quantized_b) = out[True], out[False]
+    assert torch.equal(y, y8) and torch.equal(dx, dx8)
+    assert quantized == 2 and quantized_b == 0  # FP8 W: x's (cached in F) and dy's
+    assert w8 is True and wb is False
+    if deferred:
+        assert isinstance(x_saved, torch.Tensor) and x_saved.dtype == torch.bfloat16
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        xe, dye = x0[start:end].double(), dy[start:end].double()
+        ref = dye.t() @ xe
+        bound = 2.0**-8 * ref.abs() + max(end - start, 1) * 2.0**-24 * (dye.abs().t() @ xe.abs())
+        assert dw.dtype == torch.bfloat16 and ((dw[e].double() - ref).abs() <= bound).all(), e
+        start = end
     assert not torch.equal(dw, dw8), "the FP8 weight gradient must differ"
 
 

@@ -8,7 +8,7 @@ use small blocks, which also makes every case span several CTAs.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import importlib.util  # noqa: E402
 import json  # noqa: E402

@@ -72,10 +72,13 @@ def _say_resumed(recipe: Recipe, resume_from: Path, step: int, recorded: Any) ->
     if not isinstance(recorded, dict):
         return
     now = run_fields(recipe)
+    # a field added since the checkpoint was written, left at its default, computes what it did
+    sections = {name: type(getattr(recipe, name))() for name in ("data", "train", "optim")}
+    default = run_fields(dataclasses.replace(recipe, **sections))
     changed = [
         f"{k} {json.dumps(recorded.get(k))} -> {json.dumps(now.get(k))}"
         for k in sorted(set(now) | set(recorded))
-        if recorded.get(k) != now.get(k)
+        if recorded.get(k) != now.get(k) and not (k not in recorded and k in default and now[k] == default[k])
     ]
     if changed:
         more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""

@@ -220,6 +220,21 @@ def test_a_resume_says_so_and_names_the_recipe_fields_that_changed(tmp_path, dat
     assert "train.steps" not in warning  # extending a run is not a change of what it computes
 
 
+def test_a_field_added_since_the_checkpoint_is_no_change_at_its_default(tmp_path, dataset, capsys):
+    # a checkpoint written before train.fp8_expert_wgrad existed records no value for it: resumed
+    # with the field at its default, nothing differs; set otherwise, it is named
+    from fmoe.train_state import _say_resumed, run_fields
+
+    recorded = run_fields(R.from_dict(recipe_dict(tmp_path, dataset)))
+    del recorded["train.fp8_expert_wgrad"]
+    _say_resumed(R.from_dict(recipe_dict(tmp_path, dataset)), tmp_path, 3, recorded)
+    assert "differs" not in capsys.readouterr().err
+    _say_resumed(
+        R.from_dict(recipe_dict(tmp_path, dataset, train={"fp8_expert_wgrad": False})), tmp_path, 3, recorded
+    )
+    assert "train.fp8_expert_wgrad null -> false" in capsys.readouterr().err
+
+
 def test_a_resume_moves_the_metrics_of_the_steps_it_repeats_aside(tmp_path, dataset):
     # killed after step 5 but before its save: the resumed run repeats 4 and 5 from the checkpoint
     # at 3; metrics.jsonl holds each step once, the first run's 4 and 5 move to metrics.rewound.jsonl

@@ -78,9 +78,6 @@ class GemmConfig:
     # the other's wgmma. It compiles (sm_90a, no spills), but the one GPU run made so far hung before
     # reporting anything, and this variant is the prime suspect: opt-in until measured.
     warp_specialize: bool = False
-    # Experimental: issue K-block k's wgmma before promoting block k-1's product, so the promotion
-    # need not wait on the tensor cores (both kernels; _nt_kernel only with block_n <= 128).
-    lag_promotion: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -160,7 +157,6 @@ def _nt_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     WS: tl.constexpr,
-    LAG: tl.constexpr,
 ):
     """C = A @ B^T with A row-scaled (1x128) and B block-scaled (128x128); grouped over rows."""
     for tile_id in tl.range(
@@ -184,21 +180,7 @@ def _nt_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         sa_ptrs = sa_ptr + tl.minimum(rows, M - 1) * stride_sam
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_N <= 128 and LAG:
-            # block k's product is promoted one iteration late, after block k+1's dot is issued
-            sb_ptrs = sb_ptr + e * stride_sbe + (n0 // 128) * stride_sbn
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s_part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for ki in range(k_iters):
-                a = a_desc.load([row0, ki * BLOCK_K])
-                b = b_desc.load([e * N + n0, ki * BLOCK_K])
-                s = tl.load(sa_ptrs + ki * stride_sak) * tl.load(sb_ptrs + ki * stride_sbk)
-                nxt = tl.dot(a, b.T)
-                acc += part * s_part[:, None]
-                part = nxt
-                s_part = s
-            acc += part * s_part[:, None]
-        elif BLOCK_N <= 128:
+        if BLOCK_N <= 128:
             # the whole tile lies in one 128-row block of B: one scale per K-block
             sb_ptrs = sb_ptr + e * stride_sbe + (n0 // 128) * stride_sbn
             for ki in range(k_iters):
@@ -246,7 +228,6 @@ def _wgrad_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     WS: tl.constexpr,
-    LAG: tl.constexpr,
 ):
     """C[e] = A[:, tokens of e] @ B[:, tokens of e]^T, both scaled 1x128 along tokens."""
     per_expert = num_m * num_n
@@ -262,26 +243,12 @@ def _wgrad_kernel(
         sa_ptrs = sa_ptr + tl.minimum(rows, M - 1) * stride_sam + (t0 // BLOCK_K) * stride_sat
         sb_ptrs = sb_ptr + tl.minimum(cols, N - 1) * stride_sbn + (t0 // BLOCK_K) * stride_sbt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LAG:  # as in _nt_kernel: block k's product is promoted after block k+1's dot is issued
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            s_part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_iters):
-                a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
-                b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
-                sa = tl.load(sa_ptrs + ki * stride_sat)
-                sb = tl.load(sb_ptrs + ki * stride_sbt)
-                nxt = tl.dot(a, b.T)
-                acc += part * s_part
-                part = nxt
-                s_part = sa[:, None] * sb[None, :]
-            acc += part * s_part
-        else:
-            for ki in range(k_iters):
-                a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
-                b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
-                sa = tl.load(sa_ptrs + ki * stride_sat)
-                sb = tl.load(sb_ptrs + ki * stride_sbt)
-                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        for ki in range(k_iters):
+            a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
+            b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
+            sa = tl.load(sa_ptrs + ki * stride_sat)
+            sb = tl.load(sb_ptrs + ki * stride_sbt)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -475,8 +442,7 @@ def fp8_gemm_nt(
         M, N, K, E, tiles[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
         sb.stride(0), sb.stride(1), sb.stride(2),
         GROUPED=grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, LAG=cfg.lag_promotion,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -526,8 +492,7 @@ def fp8_gemm_wgrad(
                 out.stride(0), out.stride(1), a.scale.stride(1), a.scale.stride(0),
                 b.scale.stride(1), b.scale.stride(0),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, LAG=cfg.lag_promotion,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
     return out if grouped else out[0]
 

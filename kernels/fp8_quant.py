@@ -140,20 +140,19 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _load_act(row_base, cols, mask, half, PROLOGUE: tl.constexpr):
-    """A [rows, cols] tile of the tensor being quantized, in fp32; row_base: [rows] pointers to each
-    row's first element.
+def _load_act(ptrs, mask, half, PROLOGUE: tl.constexpr):
+    """A tile of the tensor being quantized, in fp32; ptrs: the tile's element pointers (any 2-D
+    arrangement: a tile or its transpose).
 
     PROLOGUE 0: x itself. PROLOGUE 1: SwiGLU of x = [gate | up] (columns c and half + c).
     """
-    base = row_base[:, None] + cols[None, :]
     if PROLOGUE == 1:
-        g = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(ptrs + half, mask=mask, other=0.0).to(tl.float32)
         # rounded to x's dtype first, so that the fused kernel quantizes what swiglu() returns
-        return _silu_mul(g, u).to(row_base.dtype.element_ty).to(tl.float32)
+        return _silu_mul(g, u).to(ptrs.dtype.element_ty).to(tl.float32)
     else:
-        return tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -196,7 +195,7 @@ def _quant_rows_kernel(
     cols = kb * 128 + tl.arange(0, 128)
     rmask = rows < M
     mask = rmask[:, None] & (cols[None, :] < K)
-    v = _load_act(x_ptr + rows.to(tl.int64) * stride_xm, cols, mask, half, PROLOGUE)
+    v = _load_act((x_ptr + rows.to(tl.int64) * stride_xm)[:, None] + cols[None, :], mask, half, PROLOGUE)
     s, inv = _scales(tl.max(tl.abs(v), axis=1), POW2)
     bits = _e4m3_bits(v * inv[:, None], EMULATE)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits, mask=mask)
@@ -243,17 +242,19 @@ def _quant_tiles_kernel(
     rmask = rows < end
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
-    v = _load_act(
-        _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER),
-        cols,
-        mask,
-        half,
-        PROLOGUE,
-    )
+    base = _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER)
+    v = _load_act(base[:, None] + cols[None, :], mask, half, PROLOGUE)
 
     s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
-    # transposed in registers, then stored row-major (see quantize_weight for why)
-    bits_t = _e4m3_bits(tl.trans(v) * inv_t[:, None], EMULATE)
+    if PROLOGUE == 0 and not ROWS:
+        # the tile is loaded again through transposed pointers (from L2: HBM sees one read): 80% of
+        # a copy's bandwidth on an H100 against 67% through tl.trans (issue26_quant_bandwidth_h100.json)
+        v_t = _load_act(base[None, :] + cols[:, None], rmask[None, :] & cmask[:, None], half, PROLOGUE)
+    else:
+        # transposed in registers: with SwiGLU to recompute (49% vs 32%) or the rows to write too
+        # (70% vs 67%) a second load does not pay
+        v_t = tl.trans(v)
+    bits_t = _e4m3_bits(v_t * inv_t[:, None], EMULATE)
     tok = t * 128 + r
     tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + tok[None, :], bits_t, mask=cmask[:, None])
     tl.store(st_ptr + t * K + cols, s_t, mask=cmask)
@@ -267,26 +268,33 @@ def _quant_tiles_kernel(
 
 @triton.jit
 def _quant_weight_kernel(
-    w_ptr, q_ptr, s_ptr, R, C, stride_r, stride_c, POW2: tl.constexpr, EMULATE: tl.constexpr
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, POW2: tl.constexpr, EMULATE: tl.constexpr
 ):
-    """One 128x128 block of expert e's [R, C] weight -> its bits in [R, C] and its scale.
+    """One 128x128 block of expert e's [R, C] weight -> its bits and scale in the [R, C] copy and
+    in the [C, R] transposed copy, both written row-major.
 
-    Element (r, c) is read at ``e * R * C + r * stride_r + c * stride_c``: (C, 1) for the weight
-    itself, (1, R) for its transpose. The transposed copy is thus written row-major from a
-    transposed read; a block's amax, and so every bit, is that of the same block untransposed.
+    The block is loaded twice, as itself and through transposed pointers: the second load finds it
+    in L2, so HBM sees one read of the weight (two launches, one a copy, read it twice). Both copies
+    share the block's amax, so every bit of the transpose is that of the block untransposed. (No
+    tl.trans of the tile and no store through transposed pointers: on an H200 with Triton 3.6 those
+    lost bytes or corrupted the other copy; benchmarks/results/fp8_h200.json.)
     """
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
+    base = e * R * C
     rows = rb * 128 + tl.arange(0, 128)
     cols = cb * 128 + tl.arange(0, 128)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
-    v = tl.load(w_ptr + e * R * C + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
-    v = v.to(tl.float32)
+    v = tl.load(w_ptr + base + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s, inv = _scales(tl.max(tl.max(tl.abs(v), axis=1), axis=0), POW2)
-    bits = _e4m3_bits(v * inv, EMULATE)
-    tl.store(q_ptr + e * R * C + rows[:, None] * C + cols[None, :], bits, mask=mask)
+    tl.store(q_ptr + base + rows[:, None] * C + cols[None, :], _e4m3_bits(v * inv, EMULATE), mask=mask)
     tl.store(s_ptr + (e * tl.cdiv(R, 128) + rb) * tl.cdiv(C, 128) + cb, s)
+    # the transpose: element (c, r) of the [C, R] copy is w[r, c]
+    mask_t = (cols[:, None] < C) & (rows[None, :] < R)
+    vt = tl.load(w_ptr + base + rows[None, :] * C + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
+    tl.store(qt_ptr + base + cols[:, None] * R + rows[None, :], _e4m3_bits(vt * inv, EMULATE), mask=mask_t)
+    tl.store(st_ptr + (e * tl.cdiv(C, 128) + cb) * tl.cdiv(R, 128) + rb, s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -560,17 +568,11 @@ def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
     s = torch.empty(E, NB, KB, dtype=torch.float32, device=w.device)
     qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device)
     st = torch.empty(E, KB, NB, dtype=torch.float32, device=w.device)
-    if w3.numel() > 0:
-        # [N, K] and its [K, N] transpose (the input gradient reads it), each written row-major by
-        # its own launch: writing both from one launch went wrong on an H200 with Triton 3.6 (stores
-        # through transposed pointers left ~0.2% of the bytes unwritten, a tl.trans of the tile
-        # corrupted the other copy; benchmarks/results/fp8_h200.json), and a torch transpose of the
-        # bytes ran at ~0.35 TB/s
-        for out, scale, (R, C, sr, sc) in ((q, s, (N, K, K, 1)), (qt, st, (K, N, 1, K))):
-            _quant_weight_kernel[(cdiv(R, GROUP), cdiv(C, GROUP), E)](
-                w3, out.view(torch.uint8), scale, R, C, sr, sc,
-                POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
-            )  # fmt: skip
+    if w3.numel() > 0:  # [N, K] and its [K, N] transpose (the input gradient reads it), one launch
+        _quant_weight_kernel[(NB, KB, E)](
+            w3, q.view(torch.uint8), s, qt.view(torch.uint8), st, N, K,
+            POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
+        )  # fmt: skip
     if w.dim() == 2:
         q, qt, s, st = q[0], qt[0], s[0], st[0]
     return Fp8Weight(q, s, qt, st)

@@ -106,6 +106,7 @@ def test_quantize_act_t_grouped_compiled_equals_reference_bitwise():
 
     x = _activations(32768 + 77, 768, seed=2)
     offs = _ragged_offs(x.shape[0], 128, seed=3)
+    torch.empty(4 * x.numel(), dtype=torch.uint8, device=x.device).fill_(0xFF)  # unwritten bytes show
     rows, cols = fq.quantize_act_t(x, offs, with_rows=True)
     want_rows, want_cols = fq.quantize_act_t_reference(x, offs, with_rows=True)
     assert _bits_equal(rows.data, want_rows.data) and _bits_equal(rows.scale, want_rows.scale)
@@ -139,6 +140,9 @@ def test_quantize_weight_compiled_equals_reference_bitwise(shape):
     from fmoe.kernels import fp8_quant as fq
 
     w = _randn(*shape, seed=4, scale=0.02)
+    # both copies come from one launch: poison the memory they will take, so no byte left unwritten
+    # can match the reference by chance
+    torch.empty(2 * w.numel() + (1 << 20), dtype=torch.uint8, device=w.device).fill_(0xFF)
     got, want = fq.quantize_weight(w), fq.quantize_weight_reference(w)
     for field in ("data", "scale", "data_t", "scale_t"):
         assert _bits_equal(getattr(got, field), getattr(want, field)), field
@@ -231,6 +235,12 @@ def test_swiglu_forward_backward_and_quant_compiled_equal_references():
     a = fused.swiglu(h)
     q, want = fused.swiglu_quant(h), fq.quantize_act(a)
     assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+    # with the token-transposed copy (SwiGLU recomputed from the transposed load of h)
+    offs = _ragged_offs(h.shape[0], 128, seed=18)
+    (q, q_t), want_t = fused.swiglu_quant(h, offs, with_t=True), fq.quantize_act_t_reference(a, offs)
+    assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+    for field in ("data", "scale", "group_start", "group_len"):
+        assert _bits_equal(getattr(q_t, field), getattr(want_t, field)), field
 
 
 def test_rmsnorm_forward_backward_compiled_equal_references():

@@ -10,7 +10,8 @@ inputs (rel. error <= 2^-8: the output's BF16 rounding), and the weight gradient
 micro-batches merged (``fp8_gemm_wgrad``, the default merge), each timed beside ``torch._grouped_mm`` in
 BF16 on the same rows (medians of ``triton.testing.do_bench``, L2 flushed). Quantization is not
 counted here: this is the GEMM alone. The warp-specialized configs may hang Triton 3.6, so run them
-in a process of their own under ``timeout``; results are saved after each config.
+in a process of their own under ``timeout``; results are saved after each config. ``pf*``: the scales
+prefetched one K-block ahead (``GemmConfig.prefetch_scales``), with group_m 8 (the default), 4, 16.
 
 Measured on an H100 (results/issue26_grouped_sweep_h100.json): the shipped DEFAULT_CONFIG is the
 fastest of these for every GEMM. A lagged promotion (issue block k+1's dot before scaling block k's,
@@ -20,6 +21,7 @@ commit e2779d0) was slower everywhere, warp specialization slower or hung; so it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -33,6 +35,11 @@ from fmoe.kernels import fp8_quant as fq
 
 CONFIGS = {
     "base": fg.DEFAULT_CONFIG,
+    "pf": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True),
+    "nopf": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=False),
+    "pf_g4": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True, group_m=4),
+    "pf_g16": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True, group_m=16),
+    "128w8flat_pf": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True, prefetch_scales=True),
     "s3x3": fg.GemmConfig(64, 128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3),
     "128w8flat": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True),
     "128w8s3x2": fg.GemmConfig(128, 128, num_warps=8, num_stages=3, flatten=True, programs_per_sm=2),

@@ -78,6 +78,11 @@ class GemmConfig:
     # the other's wgmma. It compiles (sm_90a, no spills), but the one GPU run made so far hung before
     # reporting anything, and this variant is the prime suspect: opt-in until measured.
     warp_specialize: bool = False
+    # Experimental, opt-in until measured on a GPU: load K-block k+1's scales during block k (a
+    # register double buffer; both kernels, _nt_kernel with block_n <= 128). The sm_90a PTX of the
+    # shipped config loads each block's scales after the barrier wait, beside its wgmma; prefetched,
+    # the loads are a whole iteration ahead of their use.
+    prefetch_scales: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -157,6 +162,7 @@ def _nt_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     WS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """C = A @ B^T with A row-scaled (1x128) and B block-scaled (128x128); grouped over rows."""
     for tile_id in tl.range(
@@ -180,7 +186,17 @@ def _nt_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         sa_ptrs = sa_ptr + tl.minimum(rows, M - 1) * stride_sam
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_N <= 128:
+        if BLOCK_N <= 128 and PREFETCH:
+            sb_ptrs = sb_ptr + e * stride_sbe + (n0 // 128) * stride_sbn
+            s_next = tl.load(sa_ptrs) * tl.load(sb_ptrs)
+            for ki in range(k_iters):
+                s = s_next
+                nxt = tl.minimum(ki + 1, k_tiles - 1)  # in bounds; the last one is not used
+                s_next = tl.load(sa_ptrs + nxt * stride_sak) * tl.load(sb_ptrs + nxt * stride_sbk)
+                a = a_desc.load([row0, ki * BLOCK_K])
+                b = b_desc.load([e * N + n0, ki * BLOCK_K])
+                acc += tl.dot(a, b.T) * s[:, None]
+        elif BLOCK_N <= 128:
             # the whole tile lies in one 128-row block of B: one scale per K-block
             sb_ptrs = sb_ptr + e * stride_sbe + (n0 // 128) * stride_sbn
             for ki in range(k_iters):
@@ -228,6 +244,7 @@ def _wgrad_kernel(
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
     WS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """C[e] = A[:, tokens of e] @ B[:, tokens of e]^T, both scaled 1x128 along tokens."""
     per_expert = num_m * num_n
@@ -243,12 +260,27 @@ def _wgrad_kernel(
         sa_ptrs = sa_ptr + tl.minimum(rows, M - 1) * stride_sam + (t0 // BLOCK_K) * stride_sat
         sb_ptrs = sb_ptr + tl.minimum(cols, N - 1) * stride_sbn + (t0 // BLOCK_K) * stride_sbt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_iters):
-            a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
-            b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
-            sa = tl.load(sa_ptrs + ki * stride_sat)
-            sb = tl.load(sb_ptrs + ki * stride_sbt)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        if PREFETCH:
+            # an empty expert reads nothing (its group_start may be the end of the scales)
+            sa_next = tl.load(sa_ptrs, mask=tl.zeros((BLOCK_M,), tl.int32) < k_iters, other=0.0)
+            sb_next = tl.load(sb_ptrs, mask=tl.zeros((BLOCK_N,), tl.int32) < k_iters, other=0.0)
+            last = tl.maximum(k_iters - 1, 0)
+            for ki in range(k_iters):
+                sa = sa_next
+                sb = sb_next
+                nxt = tl.minimum(ki + 1, last)  # within the expert's tokens; the last one is not used
+                sa_next = tl.load(sa_ptrs + nxt * stride_sat)
+                sb_next = tl.load(sb_ptrs + nxt * stride_sbt)
+                a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
+                b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        else:
+            for ki in range(k_iters):
+                a = a_desc.load([mt * BLOCK_M, t0 + ki * BLOCK_K])
+                b = b_desc.load([nt * BLOCK_N, t0 + ki * BLOCK_K])
+                sa = tl.load(sa_ptrs + ki * stride_sat)
+                sb = tl.load(sb_ptrs + ki * stride_sbt)
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -442,7 +474,7 @@ def fp8_gemm_nt(
         M, N, K, E, tiles[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
         sb.stride(0), sb.stride(1), sb.stride(2),
         GROUPED=grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -492,7 +524,7 @@ def fp8_gemm_wgrad(
                 out.stride(0), out.stride(1), a.scale.stride(1), a.scale.stride(0),
                 b.scale.stride(1), b.scale.stride(0),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
     return out if grouped else out[0]
 

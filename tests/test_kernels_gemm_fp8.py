@@ -21,6 +21,9 @@ from fmoe.kernels._triton import interpreting  # noqa: E402
 
 WIDE = fg.GemmConfig(block_m=64, block_n=256, num_warps=4, num_stages=2)  # B scales as a vector
 FLAT = fg.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, warp_specialize=False, flatten=True)
+PREFETCH = fg.GemmConfig(
+    block_m=32, block_n=64, num_warps=4, num_stages=2, flatten=True, prefetch_scales=True
+)
 
 
 # The FP8 GEMM kernels against their float32 references of the same dequantized products: both sum
@@ -50,7 +53,7 @@ def test_kernels_run_in_the_interpreter_here():
     assert interpreting()
 
 
-@pytest.mark.parametrize("config", [None, WIDE, FLAT], ids=["default", "wide", "flat"])
+@pytest.mark.parametrize("config", [None, WIDE, FLAT, PREFETCH], ids=["default", "wide", "flat", "prefetch"])
 def test_fp8_gemm_nt_equals_dequantized_reference(config):
     M, N, K = 200, 320, 272  # partial tiles in M and N, a partial 128-group in K
     a = fq.quantize_act(_randn(M, K, seed=1).bfloat16())
@@ -62,7 +65,7 @@ def test_fp8_gemm_nt_equals_dequantized_reference(config):
     assert got16.dtype == torch.bfloat16 and _bf16_ulp_close(got16, want)
 
 
-@pytest.mark.parametrize("config", [None, WIDE], ids=["default", "wide"])
+@pytest.mark.parametrize("config", [None, WIDE, PREFETCH], ids=["default", "wide", "prefetch"])
 def test_fp8_grouped_gemm_equals_reference_with_empty_and_unaligned_groups(config):
     M, N, K, E = 300, 192, 256, 5
     offs = torch.tensor([0, 70, 70, 233, 300], dtype=torch.int32)  # experts 0 and 2 are empty
@@ -87,8 +90,10 @@ def test_fp8_wgrad_gemm_equals_reference_and_empty_expert_is_zero():
     assert got.shape == (5, N_out, K_in)
     assert _rel(got, want) < SAME_PRODUCTS_REL
     assert torch.equal(got[0], torch.zeros(N_out, K_in)) and torch.equal(got[4], torch.zeros(N_out, K_in))
-    got_flat = fg.fp8_gemm_wgrad(dyt, xt, grouped=True, out_dtype=torch.float32, config=FLAT)
-    assert _rel(got_flat, want) < SAME_PRODUCTS_REL
+    for config in (FLAT, PREFETCH):
+        got_config = fg.fp8_gemm_wgrad(dyt, xt, grouped=True, out_dtype=torch.float32, config=config)
+        assert _rel(got_config, want) < SAME_PRODUCTS_REL
+        assert torch.equal(got_config[0], torch.zeros(N_out, K_in)) and torch.equal(got_config[4], got[4])
 
 
 def _e4m3_bound(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:

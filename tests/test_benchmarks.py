@@ -109,3 +109,11 @@ def test_measure_role_costs_smoke_run_gives_rates_the_time_model_reads(tmp_path)
     rates = json.loads(out.read_text())["rates"]
     built = Rates(**{**rates, "grouped_tflops": tuple(tuple(p) for p in rates["grouped_tflops"])})
     assert built.grouped(1) > 0 and built.dense_tflops > 0
+
+
+def test_the_fp8_gemm_probe_names_an_unknown_config_and_exits_2(capsys):
+    from benchmarks import probe_fp8_gemm_once
+
+    with pytest.raises(SystemExit) as e:
+        probe_fp8_gemm_once.main(["base", "nope"])
+    assert e.value.code == 2 and "unknown configs ['nope']" in capsys.readouterr().err

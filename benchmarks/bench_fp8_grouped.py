@@ -36,7 +36,6 @@ from fmoe.kernels import fp8_quant as fq
 CONFIGS = {
     "base": fg.DEFAULT_CONFIG,
     "pf": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True),
-    "nopf": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=False),
     "pf_g4": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True, group_m=4),
     "pf_g16": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True, group_m=16),
     "128w8flat_pf": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True, prefetch_scales=True),

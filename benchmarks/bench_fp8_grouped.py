@@ -13,9 +13,12 @@ counted here: this is the GEMM alone. The warp-specialized configs may hang Trit
 in a process of their own under ``timeout``; results are saved after each config. ``pf*``: the scales
 prefetched one K-block ahead (``GemmConfig.prefetch_scales``), with group_m 8 (the default), 4, 16.
 
-Measured on an H100 (results/issue26_grouped_sweep_h100.json): the shipped DEFAULT_CONFIG is the
-fastest of these for every GEMM. A lagged promotion (issue block k+1's dot before scaling block k's,
-commit e2779d0) was slower everywhere, warp specialization slower or hung; so it was removed.
+Measured on an H100 (results/issue26_grouped_sweep_h100.json): the shipped tiles (``base``,
+``fp8_gemm.BASE_CONFIG``) are the fastest of these for every GEMM. A lagged promotion (issue block
+k+1's dot before scaling block k's, commit e2779d0) was slower everywhere, warp specialization slower
+or hung; so it was removed. On an H200 (results/issue26_prefetch_h200.json) the prefetch speeds up the
+weight gradient and slows the forward under Triton 3.6, and the other way round under Triton 3.9:
+``fp8_gemm.PREFETCH_SCALES_BY_TRITON`` takes each kernel's faster one.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from fmoe.kernels import fp8_gemm as fg
 from fmoe.kernels import fp8_quant as fq
 
 CONFIGS = {
-    "base": fg.DEFAULT_CONFIG,
-    "pf": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True),
-    "pf_g4": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True, group_m=4),
-    "pf_g16": dataclasses.replace(fg.DEFAULT_CONFIG, prefetch_scales=True, group_m=16),
+    "base": fg.BASE_CONFIG,
+    "pf": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True),
+    "pf_g4": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True, group_m=4),
+    "pf_g16": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True, group_m=16),
     "128w8flat_pf": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True, prefetch_scales=True),
     "s3x3": fg.GemmConfig(64, 128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3),
     "128w8flat": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True),

@@ -15,8 +15,10 @@ operand is K-major (the layout FP8 wgmma reads), loaded by TMA descriptors:
 Both are persistent (one program per SM walks the tiles), accumulate in FP32 and promote each
 128-deep partial product with its scales (``acc += dot(a, b) * sa * sb``), so the tensor cores'
 reduced-precision FP8 accumulation never spans more than 128 products, and write BF16 (or FP32).
-``GemmConfig`` sets the tiles; ``warp_specialize=True`` asks Triton 3.6 for its Hopper producer /
-two-consumer split (compiles without spills, not yet seen running: see GemmConfig).
+``GemmConfig`` sets the tiles; ``warp_specialize=True`` asks Triton for its Hopper producer /
+two-consumer split (slower where it ran: see GemmConfig); ``prefetch_scales`` loads the next K-block's
+scales a block ahead, on by default where the compiling Triton release makes it faster
+(``PREFETCH_SCALES_BY_TRITON``).
 Status: checked against the references on an H200 (every check of benchmarks/results/
 fp8_checks_h200.json passes) and under the interpreter; the tile defaults are the sweep's best.
 
@@ -33,7 +35,8 @@ does not do).
 
 import functools
 import importlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -75,13 +78,14 @@ class GemmConfig:
     flatten: bool = False  # flatten the tile and K loops so loads of the next tile overlap the epilogue
     # Triton's Hopper warp specialization: a producer warpgroup issues the TMA loads and two consumer
     # warpgroups (num_warps each) take half the tile rows each, so one's FP32 promotion can overlap
-    # the other's wgmma. It compiles (sm_90a, no spills), but the one GPU run made so far hung before
-    # reporting anything, and this variant is the prime suspect: opt-in until measured.
+    # the other's wgmma. Measured on GPUs: slower than the default tiles or hung under Triton 3.6
+    # (H100), 128x128 / 8 warps 1.23x BF16 against the default's 1.24-1.36x under Triton 3.9 (H200,
+    # results/issue26_prefetch_h200.json): opt-in.
     warp_specialize: bool = False
-    # Experimental, opt-in until measured on a GPU: load K-block k+1's scales during block k (a
-    # register double buffer; both kernels, _nt_kernel with block_n <= 128). The sm_90a PTX of the
-    # shipped config loads each block's scales after the barrier wait, beside its wgmma; prefetched,
-    # the loads are a whole iteration ahead of their use.
+    # Load K-block k+1's scales during block k (a register double buffer; both kernels, _nt_kernel
+    # with block_n <= 128): without it the sm_90a PTX loads each block's scales after the barrier
+    # wait, beside the block's own wgmma. Which kernel it speeds up depends on the Triton release:
+    # PREFETCH_SCALES_BY_TRITON.
     prefetch_scales: bool = False
 
     def __post_init__(self):
@@ -99,16 +103,42 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
 
-# Defaults: the fastest of benchmarks/bench_fp8.py's sweep on one H200 (results/fp8_h200.json,
+# Tiles: the fastest of benchmarks/bench_fp8.py's sweep on one H200 (results/fp8_h200.json,
 # Qwen3-30B-A3B expert shapes, 131k routed tokens): 64x128 tiles, one warpgroup, two programs per
 # SM, flattened loops. Against 128x128 / 8 warps it took the expert up-projection forward from
 # 1.17 to 1.09 ms, its input gradient from 1.20 to 1.15 ms and its weight gradient from 1.97 to
 # 1.38 ms (down-projection: 0.80 -> 0.67, 0.75 -> 0.60, 0.98 -> 0.73 ms); dense 8192^3 from 600 to
-# 809 TFLOP/s.
-DEFAULT_CONFIG = GemmConfig(
-    block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2
-)
-WGRAD_CONFIG = DEFAULT_CONFIG
+# 809 TFLOP/s. Still the fastest of every config of benchmarks/bench_fp8_grouped.py on an H100 and
+# an H200 (results/issue26_grouped_sweep_h100.json, issue26_prefetch_h200.json).
+BASE_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2)
+
+# Whether the kernels prefetch their scales (GemmConfig.prefetch_scales) depends on the Triton release
+# that compiles the same source. Measured on one H200 at one micro-batch's routed rows (Qwen3 expert up
+# projection, TFLOP/s, results/issue26_prefetch_h200.json): Triton 3.6, forward 673 -> 602 and merged
+# weight gradient 679 -> 702 with it; Triton 3.9, forward 544 -> 610 and weight gradient 704 -> 662.
+# (forward / input gradient, weight gradient) by release; see prefetch_scales_for.
+PREFETCH_SCALES_BY_TRITON: dict[tuple[int, int], tuple[bool, bool]] = {
+    (3, 6): (False, True),
+    (3, 9): (True, False),
+}
+
+
+def prefetch_scales_for(version: str) -> tuple[bool, bool]:
+    """(forward / input gradient, weight gradient) ``prefetch_scales`` for Triton ``version`` (such
+    as "3.6.0" or "3.9.0+git1a2b"): its release's entry of PREFETCH_SCALES_BY_TRITON, else the newest
+    release listed below it, else the oldest listed."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"prefetch_scales_for: not a Triton version: {version!r}")
+    release = (int(found[1]), int(found[2]))
+    known = sorted(PREFETCH_SCALES_BY_TRITON)
+    below = [r for r in known if r <= release]
+    return PREFETCH_SCALES_BY_TRITON[below[-1] if below else known[0]]
+
+
+_NT_PREFETCH, _WGRAD_PREFETCH = prefetch_scales_for(triton.__version__ if HAS_TRITON else "0.0")
+DEFAULT_CONFIG = replace(BASE_CONFIG, prefetch_scales=_NT_PREFETCH)  # forward and input gradient
+WGRAD_CONFIG = replace(BASE_CONFIG, prefetch_scales=_WGRAD_PREFETCH)  # weight gradient (K = tokens)
 INTERPRET_CONFIG = GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 

@@ -6,6 +6,7 @@ imported). The interpreter's dot is exact FP32 math, so "FP32-accumulation toler
 on a GPU (benchmarks/bench_fp8.py) the same comparisons are made at 1e-3.
 """
 
+import dataclasses
 import math
 import os
 
@@ -219,3 +220,29 @@ def test_backend_and_shape_errors_name_the_field(monkeypatch):
         fl.fp8_grouped_linear_forward(torch.randn(16, 128), w, torch.tensor([16], dtype=torch.int32))
     with pytest.raises(ValueError, match="block_m"):
         fg.GemmConfig(block_m=96)
+
+
+@pytest.mark.parametrize(
+    "version, want",
+    [
+        ("3.6.0", (False, True)),
+        ("3.9.0", (True, False)),
+        ("3.9.1+git1a2b3c4", (True, False)),  # a build of a listed release
+        ("3.7.0", (False, True)),  # between listed releases: the newest one below
+        ("3.10.0", (True, False)),  # 3.10 is after 3.9, not before it
+        ("3.5.1", (False, True)),  # older than any listed: the oldest listed
+    ],
+)
+def test_prefetch_scales_follow_the_triton_release(version, want):
+    assert fg.prefetch_scales_for(version) == want
+
+
+def test_default_configs_are_the_base_tiles_with_this_triton_s_prefetch():
+    import triton
+
+    nt, wgrad = fg.prefetch_scales_for(triton.__version__)
+    default, wgrad_default = fg.DEFAULT_CONFIG, fg.WGRAD_CONFIG
+    assert default == dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=nt)
+    assert wgrad_default == dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=wgrad)
+    with pytest.raises(ValueError, match="not a Triton version: 'nightly'"):
+        fg.prefetch_scales_for("nightly")

@@ -13,12 +13,14 @@ counted here: this is the GEMM alone. The warp-specialized configs may hang Trit
 in a process of their own under ``timeout``; results are saved after each config. ``pf*``: the scales
 prefetched one K-block ahead (``GemmConfig.prefetch_scales``), with group_m 8 (the default), 4, 16.
 
-Measured on an H100 (results/issue26_grouped_sweep_h100.json): the shipped tiles (``base``,
-``fp8_gemm.BASE_CONFIG``) are the fastest of these for every GEMM. A lagged promotion (issue block
-k+1's dot before scaling block k's, commit e2779d0) was slower everywhere, warp specialization slower
-or hung; so it was removed. On an H200 (results/issue26_prefetch_h200.json) the prefetch speeds up the
-weight gradient and slows the forward under Triton 3.6, and the other way round under Triton 3.9:
-``fp8_gemm.PREFETCH_SCALES_BY_TRITON`` takes each kernel's faster one.
+Measured on an H100 (results/issue26_grouped_sweep_h100.json): the tiles then shipped (``2x4``: 64x128,
+two programs per SM) were the fastest of those for every GEMM. A lagged promotion (issue block k+1's
+dot before scaling block k's, commit e2779d0) was slower everywhere, warp specialization slower or
+hung; so it was removed. On an H200 (results/issue26_prefetch_h200.json) the prefetch sped up the
+weight gradient and slowed the forward under Triton 3.6, and the other way round under Triton 3.9:
+``fp8_gemm.PREFETCH_SCALES_BY_TRITON`` takes each kernel's faster one. Three programs per SM with
+their registers capped (``base`` now, ``fp8_gemm.BASE_CONFIG``) beat ``2x4`` on both families under
+both releases (results/issue26_regcap_h100.json); uncapped (``s3x3``) only two are resident.
 """
 
 from __future__ import annotations
@@ -37,12 +39,24 @@ from fmoe.kernels import fp8_gemm as fg
 from fmoe.kernels import fp8_quant as fq
 
 CONFIGS = {
-    "base": fg.BASE_CONFIG,
+    "base": fg.BASE_CONFIG,  # 64x128, 3 stages, 3 programs per SM, registers capped at 168
     "pf": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True),
     "pf_g4": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True, group_m=4),
     "pf_g16": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True, group_m=16),
-    "128w8flat_pf": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True, prefetch_scales=True),
+    # the base tiles until 2026-12-06: two programs per SM of 4 stages, registers uncapped (~178)
+    "2x4": fg.GemmConfig(64, 128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2),
+    "2x4_pf": fg.GemmConfig(
+        64, 128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2, prefetch_scales=True
+    ),
+    # three programs per SM, uncapped: only two are resident, the third runs in a second wave
     "s3x3": fg.GemmConfig(64, 128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3),
+    "r168s2x3": fg.GemmConfig(
+        64, 128, num_warps=4, num_stages=2, flatten=True, programs_per_sm=3, max_registers=168
+    ),
+    # narrower tiles, more of them resident: 64x64 takes ~112 registers and 48 KiB (3 stages)
+    "n64s3x4": fg.GemmConfig(64, 64, num_warps=4, num_stages=3, flatten=True, programs_per_sm=4),
+    "n64s4x3": fg.GemmConfig(64, 64, num_warps=4, num_stages=4, flatten=True, programs_per_sm=3),
+    "128w8flat_pf": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True, prefetch_scales=True),
     "128w8flat": fg.GemmConfig(128, 128, num_warps=8, num_stages=4, flatten=True),
     "128w8s3x2": fg.GemmConfig(128, 128, num_warps=8, num_stages=3, flatten=True, programs_per_sm=2),
     "ws128w4": fg.GemmConfig(128, 128, num_warps=4, num_stages=4, warp_specialize=True),

@@ -87,6 +87,10 @@ class GemmConfig:
     # wait, beside the block's own wgmma. Which kernel it speeds up depends on the Triton release:
     # PREFETCH_SCALES_BY_TRITON.
     prefetch_scales: bool = False
+    # A cap on the registers per thread (ptxas's maxnreg; None: the compiler's choice), so that
+    # programs_per_sm programs fit one SM's 64K registers at once: the 64x128 tiles take ~180, which
+    # leaves room for two 4-warp programs, not three.
+    max_registers: int | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n"):
@@ -98,27 +102,42 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.num_warps: must be 4, 8 or 16, got {self.num_warps}")
         if self.warp_specialize and self.flatten:
             raise ValueError("GemmConfig.flatten: must be False with warp_specialize")
+        if self.max_registers is not None and not (
+            24 <= self.max_registers <= 255 and self.max_registers % 8 == 0
+        ):
+            raise ValueError(
+                f"GemmConfig.max_registers: must be None or a multiple of 8 in [24, 255], got {self.max_registers}"
+            )
         for name in ("num_stages", "group_m", "programs_per_sm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GemmConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
 
-# Tiles: the fastest of benchmarks/bench_fp8.py's sweep on one H200 (results/fp8_h200.json,
-# Qwen3-30B-A3B expert shapes, 131k routed tokens): 64x128 tiles, one warpgroup, two programs per
-# SM, flattened loops. Against 128x128 / 8 warps it took the expert up-projection forward from
-# 1.17 to 1.09 ms, its input gradient from 1.20 to 1.15 ms and its weight gradient from 1.97 to
-# 1.38 ms (down-projection: 0.80 -> 0.67, 0.75 -> 0.60, 0.98 -> 0.73 ms); dense 8192^3 from 600 to
-# 809 TFLOP/s. Still the fastest of every config of benchmarks/bench_fp8_grouped.py on an H100 and
-# an H200 (results/issue26_grouped_sweep_h100.json, issue26_prefetch_h200.json).
-BASE_CONFIG = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2)
+# Tiles: 64x128, one warpgroup, flattened loops (the fastest of benchmarks/bench_fp8.py's sweep on one
+# H200, results/fp8_h200.json; against 128x128 / 8 warps it took the Qwen3 expert GEMMs from 1.17 to
+# 1.09 ms forward, 1.97 to 1.38 ms weight gradient). Each program waits on its wgmma before promoting
+# every K-block, so other resident programs are what keep the tensor cores fed: three per SM, each
+# with 3 stages (72 KiB of shared memory) and its registers capped at 168, so that all three fit
+# (uncapped, ptxas takes 176-182 and only two fit: the third ran after them, 1.00x BF16 against 1.40x
+# in issue26_grouped_sweep_h100.json). On one H100 at one micro-batch's routed rows
+# (results/issue26_regcap_h100.json, x BF16 torch._grouped_mm), against the previous tiles (two
+# programs per SM of 4 stages, uncapped) in the same process: Qwen3 expert forward + input gradient
+# 1.40 -> 1.42x, weight gradients 1.01 (1.08 prefetching) -> 1.11x; DeepSeek-V3-16B 1.29 -> 1.35x and
+# 1.03 (1.05) -> 1.07x. In a training step (Qwen3, 2 layers, 8 micro-batches, H100) the grouped GEMMs
+# took 16.8 -> 16.1 ms and the weight gradients 7.8 -> 7.1 ms a step.
+BASE_CONFIG = GemmConfig(
+    block_m=64, block_n=128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3, max_registers=168
+)
 
 # Whether the kernels prefetch their scales (GemmConfig.prefetch_scales) depends on the Triton release
-# that compiles the same source. Measured on one H200 at one micro-batch's routed rows (Qwen3 expert up
-# projection, TFLOP/s, results/issue26_prefetch_h200.json): Triton 3.6, forward 673 -> 602 and merged
-# weight gradient 679 -> 702 with it; Triton 3.9, forward 544 -> 610 and weight gradient 704 -> 662.
+# that compiles the same source. With these tiles on one H100 (issue26_regcap_h100.json, Qwen3 expert
+# GEMMs at one micro-batch's routed rows, x BF16): Triton 3.6, forward + input gradient 1.42 -> 1.45x on
+# Qwen3 but 1.35 -> 1.30x on DeepSeek-V3-16B, weight gradients 1.11 -> 1.07x and 1.07 -> 1.04x with it;
+# Triton 3.9, forward + input gradient 1.26 -> 1.29x, weight gradients 1.113 -> 1.123x (with the previous
+# tiles on an H200 the weight gradient lost 704 -> 662 TFLOP/s: issue26_prefetch_h200.json).
 # (forward / input gradient, weight gradient) by release; see prefetch_scales_for.
 PREFETCH_SCALES_BY_TRITON: dict[tuple[int, int], tuple[bool, bool]] = {
-    (3, 6): (False, True),
+    (3, 6): (False, False),
     (3, 9): (True, False),
 }
 
@@ -423,6 +442,14 @@ def _deep_gemm_nt(a: Fp8Act, b: Tensor, b_scale: Tensor, out: Tensor) -> Tensor:
 # Launchers
 
 
+def _launch_options(cfg: GemmConfig) -> dict:
+    """The compile options of a launch with ``cfg`` (maxnreg only where it is capped)."""
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_registers is not None:
+        options["maxnreg"] = cfg.max_registers
+    return options
+
+
 def _check_nt(a: Fp8Act, b: Tensor, b_scale: Tensor, offs: Tensor | None) -> None:
     if a.data.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
         raise ValueError(f"a, b: expected {FP8_DTYPE}, got {a.data.dtype} and {b.dtype}")
@@ -504,7 +531,7 @@ def fp8_gemm_nt(
         M, N, K, E, tiles[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
         sb.stride(0), sb.stride(1), sb.stride(2),
         GROUPED=grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, **_launch_options(cfg),
     )  # fmt: skip
     return out
 
@@ -554,7 +581,7 @@ def fp8_gemm_wgrad(
                 out.stride(0), out.stride(1), a.scale.stride(1), a.scale.stride(0),
                 b.scale.stride(1), b.scale.stride(0),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, **_launch_options(cfg),
             )  # fmt: skip
     return out if grouped else out[0]
 

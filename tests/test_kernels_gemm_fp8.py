@@ -25,6 +25,9 @@ FLAT = fg.GemmConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, warp_spe
 PREFETCH = fg.GemmConfig(
     block_m=32, block_n=64, num_warps=4, num_stages=2, flatten=True, prefetch_scales=True
 )
+CAPPED = fg.GemmConfig(
+    block_m=32, block_n=64, num_warps=4, num_stages=2, programs_per_sm=3, max_registers=168
+)
 
 
 # The FP8 GEMM kernels against their float32 references of the same dequantized products: both sum
@@ -54,7 +57,9 @@ def test_kernels_run_in_the_interpreter_here():
     assert interpreting()
 
 
-@pytest.mark.parametrize("config", [None, WIDE, FLAT, PREFETCH], ids=["default", "wide", "flat", "prefetch"])
+@pytest.mark.parametrize(
+    "config", [None, WIDE, FLAT, PREFETCH, CAPPED], ids=["default", "wide", "flat", "prefetch", "capped"]
+)
 def test_fp8_gemm_nt_equals_dequantized_reference(config):
     M, N, K = 200, 320, 272  # partial tiles in M and N, a partial 128-group in K
     a = fq.quantize_act(_randn(M, K, seed=1).bfloat16())
@@ -220,17 +225,22 @@ def test_backend_and_shape_errors_name_the_field(monkeypatch):
         fl.fp8_grouped_linear_forward(torch.randn(16, 128), w, torch.tensor([16], dtype=torch.int32))
     with pytest.raises(ValueError, match="block_m"):
         fg.GemmConfig(block_m=96)
+    for bad in (170, 16, 256):
+        with pytest.raises(ValueError, match="max_registers"):
+            fg.GemmConfig(max_registers=bad)
+    assert fg._launch_options(CAPPED) == {"num_warps": 4, "num_stages": 2, "maxnreg": 168}
+    assert "maxnreg" not in fg._launch_options(FLAT)  # uncapped: the compiler's choice
 
 
 @pytest.mark.parametrize(
     "version, want",
     [
-        ("3.6.0", (False, True)),
+        ("3.6.0", (False, False)),
         ("3.9.0", (True, False)),
         ("3.9.1+git1a2b3c4", (True, False)),  # a build of a listed release
-        ("3.7.0", (False, True)),  # between listed releases: the newest one below
+        ("3.7.0", (False, False)),  # between listed releases: the newest one below
         ("3.10.0", (True, False)),  # 3.10 is after 3.9, not before it
-        ("3.5.1", (False, True)),  # older than any listed: the oldest listed
+        ("3.5.1", (False, False)),  # older than any listed: the oldest listed
     ],
 )
 def test_prefetch_scales_follow_the_triton_release(version, want):

@@ -130,15 +130,17 @@ BASE_CONFIG = GemmConfig(
 )
 
 # Whether the kernels prefetch their scales (GemmConfig.prefetch_scales) depends on the Triton release
-# that compiles the same source. With these tiles on one H100 (issue26_regcap_h100.json, Qwen3 expert
-# GEMMs at one micro-batch's routed rows, x BF16): Triton 3.6, forward + input gradient 1.42 -> 1.45x on
-# Qwen3 but 1.35 -> 1.30x on DeepSeek-V3-16B, weight gradients 1.11 -> 1.07x and 1.07 -> 1.04x with it;
-# Triton 3.9, forward + input gradient 1.26 -> 1.29x, weight gradients 1.113 -> 1.123x (with the previous
-# tiles on an H200 the weight gradient lost 704 -> 662 TFLOP/s: issue26_prefetch_h200.json).
+# that compiles the same source. With these tiles, twice on an H100 (issue26_regcap_h100.json: ms of the
+# four forward / input-gradient grouped GEMMs, then of the two merged weight gradients, at one
+# micro-batch's routed rows; without -> with it): Triton 3.6, Qwen3 1.03 -> 1.01 and 1.03 -> 1.05,
+# DeepSeek-V3-16B 1.28 -> 1.32 and 1.31 -> 1.34; weight gradients 3.51 -> 3.65, 3.59 -> 3.64, 4.94 ->
+# 5.11, 4.93 -> 5.11: off for both. Triton 3.9 (Qwen3): 1.18 -> 1.15 and 1.04 -> 1.10, undecided, so on
+# as the previous tiles measured it on an H200 (forward 544 -> 610 TFLOP/s, issue26_prefetch_h200.json);
+# weight gradients 3.50 -> 3.47 and 3.59 -> 3.48: on.
 # (forward / input gradient, weight gradient) by release; see prefetch_scales_for.
 PREFETCH_SCALES_BY_TRITON: dict[tuple[int, int], tuple[bool, bool]] = {
     (3, 6): (False, False),
-    (3, 9): (True, False),
+    (3, 9): (True, True),
 }
 
 

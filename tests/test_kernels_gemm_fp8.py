@@ -236,10 +236,10 @@ def test_backend_and_shape_errors_name_the_field(monkeypatch):
     "version, want",
     [
         ("3.6.0", (False, False)),
-        ("3.9.0", (True, False)),
-        ("3.9.1+git1a2b3c4", (True, False)),  # a build of a listed release
+        ("3.9.0", (True, True)),
+        ("3.9.1+git1a2b3c4", (True, True)),  # a build of a listed release
         ("3.7.0", (False, False)),  # between listed releases: the newest one below
-        ("3.10.0", (True, False)),  # 3.10 is after 3.9, not before it
+        ("3.10.0", (True, True)),  # 3.10 is after 3.9, not before it
         ("3.5.1", (False, False)),  # older than any listed: the oldest listed
     ],
 )

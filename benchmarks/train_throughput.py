@@ -19,6 +19,8 @@ Every fmoe side runs under the memory policy of --recompute, --recompute-roles a
 (``fmoe.memory_policy``; default: none, all roles, the whole step), except the fmoe_recompute_* and
 fmoe_window1 sides, which set their own, so one call measures the policies side by side:
     python -m benchmarks.train_throughput --microbatches 8 --sides fmoe,fmoe_recompute_full,fmoe_recompute_selective,fmoe_window1
+--fp8-tiles NT,WGRAD runs the FP8 GEMMs on other tiles than fp8_gemm's defaults (configs of
+benchmarks/bench_fp8_grouped.py), to time a step with them against the defaults in another call.
 Model FLOPs per token = 6 x active parameters (attention projections, top-k experts' SwiGLU, router,
 LM head) + causal attention's score and value GEMMs (fwd + bwd = 3 x fwd, halved by the mask);
 model TFLOP/s = FLOPs per step / step time; MFU against 989 TFLOP/s dense bf16.
@@ -404,8 +406,15 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--merge-window", type=int, default=0, help="expert W merged over this many micro-batches (0: all)"
     )
+    ap.add_argument(
+        "--fp8-tiles",
+        default=None,
+        help="NT,WGRAD: the FP8 GEMMs' tiles, configs of benchmarks/bench_fp8_grouped.py (e.g. 2x4,2x4_pf); "
+        "default: fp8_gemm's DEFAULT_CONFIG, WGRAD_CONFIG",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    tiles = _fp8_tiles(args.fp8_tiles, ap)
     try:
         roles = tuple(r.strip() for r in args.recompute_roles.split(",") if r.strip())
         policy = MemoryPolicy(args.merge_window, args.recompute, roles)
@@ -445,6 +454,7 @@ def main(argv=None) -> dict:
         "microbatches_per_step": args.microbatches,
         "dtype": str(dtype),
         "memory": dataclasses.asdict(policy),  # of the fmoe sides that do not set their own
+        **({"fp8_tiles": args.fp8_tiles} if tiles else {}),
         **(
             {"recipe": args.recipe, **dataclasses.asdict(cfg)}
             if args.recipe
@@ -471,38 +481,69 @@ def main(argv=None) -> dict:
         return {**out, "sides_not_run": pending} if pending else out
 
     results = {}
-    for i, side in enumerate(sides):
-        if side in FMOE_VARIANTS:
-            step = fmoe_step_fn(
-                cfg, args.device, dtype, family=family, **{"memory": policy, **FMOE_VARIANTS[side]}
+    with _fp8_tiles_in_use(tiles):
+        for i, side in enumerate(sides):
+            if side in FMOE_VARIANTS:
+                step = fmoe_step_fn(
+                    cfg, args.device, dtype, family=family, **{"memory": policy, **FMOE_VARIANTS[side]}
+                )
+            elif side == "eager":
+                step = eager_step_fn(cfg, args.device, dtype)
+            else:
+                make = {"fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
+                step = make(cfg, args.device, dtype, memory=policy, family=family)
+            step = functools.partial(step, micro_batch=args.micro_batch)
+            ms = time_ms(
+                lambda step=step: step(tokens, labels),
+                warmup=args.warmup,
+                iters=args.steps,
+                device=args.device,
             )
-        elif side == "eager":
-            step = eager_step_fn(cfg, args.device, dtype)
-        else:
-            make = {"fmoe": fmoe_step_fn, "fmoe_fp8": fmoe_fp8_step_fn}[side]
-            step = make(cfg, args.device, dtype, memory=policy, family=family)
-        step = functools.partial(step, micro_batch=args.micro_batch)
-        ms = time_ms(
-            lambda step=step: step(tokens, labels), warmup=args.warmup, iters=args.steps, device=args.device
-        )
-        tflops = flops / (ms / 1e3) / 1e12
-        results[side] = {"step_ms": ms, "tokens_per_s": m * seq / (ms / 1e3), "model_tflops": tflops,
-                         "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
-        print(f"{side}: {ms:.1f} ms/step, {tflops:.1f} model TFLOP/s", file=sys.stderr, flush=True)
-        if args.profile and args.device == "cuda":
-            results[side]["profile"] = profile_step(step, tokens, labels)
-        if args.host_profile:
-            results[side]["host_profile"] = host_profile_step(step, tokens, labels)
-        if args.device == "cuda":
-            results[side]["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        del step
-        if i + 1 < len(sides):  # what is measured so far survives a run killed in a later side
-            write_result(args.out, record(results, sides[i + 1 :]), echo=False)
+            tflops = flops / (ms / 1e3) / 1e12
+            results[side] = {"step_ms": ms, "tokens_per_s": m * seq / (ms / 1e3), "model_tflops": tflops,
+                             "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
+            print(f"{side}: {ms:.1f} ms/step, {tflops:.1f} model TFLOP/s", file=sys.stderr, flush=True)
+            if args.profile and args.device == "cuda":
+                results[side]["profile"] = profile_step(step, tokens, labels)
+            if args.host_profile:
+                results[side]["host_profile"] = host_profile_step(step, tokens, labels)
+            if args.device == "cuda":
+                results[side]["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            del step
+            if i + 1 < len(sides):  # what is measured so far survives a run killed in a later side
+                write_result(args.out, record(results, sides[i + 1 :]), echo=False)
     final = record(results, [])
     write_result(args.out, final)
     return final
+
+
+def _fp8_tiles(names: str | None, ap: argparse.ArgumentParser):
+    """--fp8-tiles "NT,WGRAD" -> (nt GemmConfig, wgrad GemmConfig), or None (the defaults)."""
+    if names is None:
+        return None
+    from benchmarks.bench_fp8_grouped import CONFIGS
+
+    parts = names.split(",")
+    unknown = [n for n in parts if n not in CONFIGS]
+    if len(parts) != 2 or unknown:
+        ap.error(f"--fp8-tiles: expected NT,WGRAD of {', '.join(CONFIGS)}; got {names!r}")
+    return CONFIGS[parts[0]], CONFIGS[parts[1]]
+
+
+@contextlib.contextmanager
+def _fp8_tiles_in_use(tiles):
+    """fp8_gemm's default tiles replaced by ``tiles`` for the block (restored after)."""
+    from fmoe.kernels import fp8_gemm
+
+    saved = fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG
+    if tiles is not None:
+        fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG = tiles
+    try:
+        yield
+    finally:
+        fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG = saved
 
 
 if __name__ == "__main__":

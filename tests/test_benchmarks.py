@@ -69,6 +69,30 @@ def test_throughput_benchmark_takes_several_sequences_per_micro_batch(tmp_path, 
         train_throughput.main([*args, "--micro-batch", "0"])
 
 
+def test_throughput_benchmark_times_the_fp8_gemms_on_the_tiles_asked_for(monkeypatch):
+    from benchmarks.bench_fp8_grouped import CONFIGS
+    from fmoe.kernels import fp8_gemm
+
+    defaults = fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG
+    in_use = []
+
+    def timed(fn, **kw):  # the tiles in force while a side is timed
+        in_use.append((fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG))
+        return 1.0
+
+    monkeypatch.setattr(train_throughput, "time_ms", timed)
+    args = ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0", "--sides", "fmoe"]
+    result = train_throughput.main([*args, "--fp8-tiles", "2x4,2x4_pf"])
+    assert in_use == [(CONFIGS["2x4"], CONFIGS["2x4_pf"])] and result["shape"]["fp8_tiles"] == "2x4,2x4_pf"
+    assert defaults == (fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG)  # restored after
+    train_throughput.main(args)
+    assert in_use[-1] == defaults
+    for bad in ("nope,base", "base"):
+        with pytest.raises(SystemExit) as e:
+            train_throughput.main([*args, "--fp8-tiles", bad])
+        assert e.value.code == 2
+
+
 def test_cross_entropy_benchmark_runs_on_cpu():
     from benchmarks import bench_cross_entropy
 

@@ -20,7 +20,8 @@ hung; so it was removed. On an H200 (results/issue26_prefetch_h200.json) the pre
 weight gradient and slowed the forward under Triton 3.6, and the other way round under Triton 3.9:
 ``fp8_gemm.PREFETCH_SCALES_BY_TRITON`` takes each kernel's faster one. Three programs per SM with
 their registers capped (``base`` now, ``fp8_gemm.BASE_CONFIG``) beat ``2x4`` on both families under
-both releases (results/issue26_regcap_h100.json); uncapped (``s3x3``) only two are resident.
+Triton 3.6 and on Qwen3 (the one measured) under Triton 3.9, on two H100s
+(results/issue26_regcap_h100.json); uncapped (``s3x3``) only two are resident.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ CONFIGS = {
     "pf": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True),
     "pf_g4": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True, group_m=4),
     "pf_g16": dataclasses.replace(fg.BASE_CONFIG, prefetch_scales=True, group_m=16),
-    # the base tiles until 2026-12-06: two programs per SM of 4 stages, registers uncapped (~178)
+    # the base tiles until 2026-12-06: two programs per SM of 4 stages, registers uncapped (176 / 182)
     "2x4": fg.GemmConfig(64, 128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2),
     "2x4_pf": fg.GemmConfig(
         64, 128, num_warps=4, num_stages=4, flatten=True, programs_per_sm=2, prefetch_scales=True

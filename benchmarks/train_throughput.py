@@ -525,7 +525,7 @@ def _fp8_tiles(names: str | None, ap: argparse.ArgumentParser):
         return None
     from benchmarks.bench_fp8_grouped import CONFIGS
 
-    parts = names.split(",")
+    parts = [n.strip() for n in names.split(",")]
     unknown = [n for n in parts if n not in CONFIGS]
     if len(parts) != 2 or unknown:
         ap.error(f"--fp8-tiles: expected NT,WGRAD of {', '.join(CONFIGS)}; got {names!r}")

@@ -12,7 +12,7 @@ operand is K-major (the layout FP8 wgmma reads), loaded by TMA descriptors:
   token-transposed with 1x128 scales along tokens (``Fp8ActT``). Weight gradient
   (A = dy^T, B = x^T); dense is the one-expert case. An empty expert gets a zero gradient.
 
-Both are persistent (one program per SM walks the tiles), accumulate in FP32 and promote each
+Both are persistent (``programs_per_sm`` programs per SM walk the tiles), accumulate in FP32 and promote each
 128-deep partial product with its scales (``acc += dot(a, b) * sa * sb``), so the tensor cores'
 reduced-precision FP8 accumulation never spans more than 128 products, and write BF16 (or FP32).
 ``GemmConfig`` sets the tiles; ``warp_specialize=True`` asks Triton for its Hopper producer /
@@ -88,7 +88,8 @@ class GemmConfig:
     # PREFETCH_SCALES_BY_TRITON.
     prefetch_scales: bool = False
     # A cap on the registers per thread (ptxas's maxnreg; None: the compiler's choice), so that
-    # programs_per_sm programs fit one SM's 64K registers at once: the 64x128 tiles take ~180, which
+    # programs_per_sm programs fit one SM's 64K registers at once: the 64x128 tiles take 176 (forward /
+    # input gradient) and 182 (weight gradient) under Triton 3.6, which
     # leaves room for two 4-warp programs, not three.
     max_registers: int | None = None
 
@@ -102,12 +103,14 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.num_warps: must be 4, 8 or 16, got {self.num_warps}")
         if self.warp_specialize and self.flatten:
             raise ValueError("GemmConfig.flatten: must be False with warp_specialize")
-        if self.max_registers is not None and not (
-            24 <= self.max_registers <= 255 and self.max_registers % 8 == 0
-        ):
+        cap = self.max_registers
+        if cap is not None and not (isinstance(cap, int) and 24 <= cap <= 248 and cap % 8 == 0):
             raise ValueError(
-                f"GemmConfig.max_registers: must be None or a multiple of 8 in [24, 255], got {self.max_registers}"
+                f"GemmConfig.max_registers: must be None or a multiple of 8 in [24, 248], got {cap!r}"
             )
+        if cap is not None and self.warp_specialize:
+            # Triton sizes each warp-specialized partition's registers itself (setmaxnreg)
+            raise ValueError("GemmConfig.max_registers: must be None with warp_specialize")
         for name in ("num_stages", "group_m", "programs_per_sm"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GemmConfig.{name}: must be >= 1, got {getattr(self, name)}")
@@ -118,29 +121,30 @@ class GemmConfig:
 # 1.09 ms forward, 1.97 to 1.38 ms weight gradient). Each program waits on its wgmma before promoting
 # every K-block, so other resident programs are what keep the tensor cores fed: three per SM, each
 # with 3 stages (72 KiB of shared memory) and its registers capped at 168, so that all three fit
-# (uncapped, ptxas takes 176-182 and only two fit: the third ran after them, 1.00x BF16 against 1.40x
-# in issue26_grouped_sweep_h100.json). On one H100 at one micro-batch's routed rows
-# (results/issue26_regcap_h100.json, x BF16 torch._grouped_mm), against the previous tiles (two
-# programs per SM of 4 stages, uncapped) in the same process: Qwen3 expert forward + input gradient
-# 1.40 -> 1.42x, weight gradients 1.01 (1.08 prefetching) -> 1.11x; DeepSeek-V3-16B 1.29 -> 1.35x and
-# 1.03 (1.05) -> 1.07x. In a training step (Qwen3, 2 layers, 8 micro-batches, H100) the grouped GEMMs
-# took 16.8 -> 16.1 ms and the weight gradients 7.8 -> 7.1 ms a step.
+# (uncapped, ptxas takes 176 and 182 and only two fit: the third ran after them, 1.00x BF16 against
+# 1.40x in issue26_grouped_sweep_h100.json). On one H100 (results/issue26_regcap_h100.json, x BF16
+# torch._grouped_mm in the same process; forward / input gradient at one micro-batch's routed rows,
+# weight gradients over a step's 8 micro-batches merged), against the previous tiles (two programs per
+# SM of 4 stages, uncapped): Qwen3 expert forward + input gradient 1.40 -> 1.42x, weight gradients 1.01
+# (1.08 prefetching, the previous Triton 3.6 default) -> 1.11x; DeepSeek-V3-16B 1.29 -> 1.35x and 1.03
+# (1.05) -> 1.07x. In a training step (Qwen3, 2 layers, 8 micro-batches, H100) the grouped GEMMs took
+# 16.8 -> 16.1 ms and the weight gradients 7.8 -> 7.1 ms a step.
 BASE_CONFIG = GemmConfig(
     block_m=64, block_n=128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3, max_registers=168
 )
 
 # Whether the kernels prefetch their scales (GemmConfig.prefetch_scales) depends on the Triton release
-# that compiles the same source. With these tiles, twice on an H100 (issue26_regcap_h100.json: ms of the
-# four forward / input-gradient grouped GEMMs, then of the two merged weight gradients, at one
-# micro-batch's routed rows; without -> with it): Triton 3.6, Qwen3 1.03 -> 1.01 and 1.03 -> 1.05,
-# DeepSeek-V3-16B 1.28 -> 1.32 and 1.31 -> 1.34; weight gradients 3.51 -> 3.65, 3.59 -> 3.64, 4.94 ->
-# 5.11, 4.93 -> 5.11: off for both. Triton 3.9 (Qwen3): 1.18 -> 1.15 and 1.04 -> 1.10, undecided, so on
-# as the previous tiles measured it on an H200 (forward 544 -> 610 TFLOP/s, issue26_prefetch_h200.json);
-# weight gradients 3.50 -> 3.47 and 3.59 -> 3.48: on.
+# that compiles the same source. With these tiles, twice on an H100 (issue26_regcap_h100.json; ms of the
+# four forward / input-gradient grouped GEMMs at one micro-batch's routed rows, then of the two weight
+# gradients over a step's 8 micro-batches merged; without -> with it): Triton 3.6, Qwen3 1.03 -> 1.01 and
+# 1.03 -> 1.05, DeepSeek-V3-16B 1.28 -> 1.32 and 1.31 -> 1.34; weight gradients 3.51 -> 3.65, 3.59 ->
+# 3.64, 4.94 -> 5.11, 4.93 -> 5.11: off for both. Triton 3.9 (Qwen3 only): 1.18 -> 1.15 and 1.04 -> 1.10
+# (2.22 -> 2.25 summed: off; the run-to-run spread is larger than the difference); weight gradients
+# 3.50 -> 3.47 and 3.59 -> 3.48: on.
 # (forward / input gradient, weight gradient) by release; see prefetch_scales_for.
 PREFETCH_SCALES_BY_TRITON: dict[tuple[int, int], tuple[bool, bool]] = {
     (3, 6): (False, False),
-    (3, 9): (True, True),
+    (3, 9): (False, True),
 }
 
 

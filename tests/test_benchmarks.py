@@ -92,6 +92,14 @@ def test_throughput_benchmark_times_the_fp8_gemms_on_the_tiles_asked_for(monkeyp
             train_throughput.main([*args, "--fp8-tiles", bad])
         assert e.value.code == 2
 
+    def fails(fn, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(train_throughput, "time_ms", fails)
+    with pytest.raises(RuntimeError):
+        train_throughput.main([*args, "--fp8-tiles", "2x4, 2x4_pf"])
+    assert defaults == (fp8_gemm.DEFAULT_CONFIG, fp8_gemm.WGRAD_CONFIG)  # restored after a failed side too
+
 
 def test_cross_entropy_benchmark_runs_on_cpu():
     from benchmarks import bench_cross_entropy

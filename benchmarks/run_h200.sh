@@ -9,6 +9,8 @@
 #   OUT=/tmp/out benchmarks/run_h200.sh stall    # a checkpoint's training stall, sync vs async (3.1B state)
 #   OUT=/tmp/out benchmarks/run_h200.sh fp8      # FP8 kernels: GPU tests, merged W (gathered vs copied),
 #                                                # bandwidth, every tile config at a micro-batch's expert rows
+#   OUT=/tmp/out benchmarks/run_h200.sh fp8tiles # Qwen3 layers, 4 and 8: BF16, FP8 on the default tiles and
+#                                                # FP8 on the previous ones (--fp8-tiles 2x4,2x4_pf)
 # Issue 26's per-layer rows: `policies fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16allw_graphs` and `deepseek`.
 # The whole GPU tier: `TRITON_INTERPRET=0 python3 -m pytest -m cuda tests/`.
 set -u
@@ -52,6 +54,14 @@ fp8)
   timeout 200 python3 benchmarks/bench_fp8.py --parts qwen3_layer --routed-tokens 32768 \
     --layer-configs sw128x128w8s4,sw128x128w8s3,sw128x128w8s5,sw128x128w8s4flat,sw64x128w4s4x2 \
     --out "$OUT/fp8_layer_32768.json" 2>&1 | grep -A40 "==== summary"
+  ;;
+fp8tiles)  # the FP8 GEMMs' default tiles against the previous ones in a step, BF16 beside them
+  for L in 4 8; do
+    timeout 200 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_graphs,fmoe_fp8_graphs \
+      --out "$OUT/fp8tiles_L$L.json" 2>&1 | grep -E "ms/step|Error"
+    timeout 110 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_fp8_graphs \
+      --fp8-tiles 2x4,2x4_pf --out "$OUT/fp8tiles_previous_L$L.json" 2>&1 | grep -E "ms/step|Error"
+  done
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

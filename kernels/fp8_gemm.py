@@ -88,9 +88,9 @@ class GemmConfig:
     # PREFETCH_SCALES_BY_TRITON.
     prefetch_scales: bool = False
     # A cap on the registers per thread (ptxas's maxnreg; None: the compiler's choice), so that
-    # programs_per_sm programs fit one SM's 64K registers at once: the 64x128 tiles take 176 (forward /
-    # input gradient) and 182 (weight gradient) under Triton 3.6, which
-    # leaves room for two 4-warp programs, not three.
+    # programs_per_sm programs fit one SM's 64K registers at once: uncapped, the 64x128 tiles take 176
+    # (forward / input gradient) and 182 (weight gradient) under Triton 3.6, room for two 4-warp
+    # programs, not three.
     max_registers: int | None = None
 
     def __post_init__(self):

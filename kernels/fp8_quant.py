@@ -214,6 +214,7 @@ def _quant_tiles_kernel(
     tile_expert_ptr,
     tile_row_ptr,
     group_end_ptr,
+    group_ptr,
     M,
     K,
     E,
@@ -224,18 +225,28 @@ def _quant_tiles_kernel(
     PROLOGUE: tl.constexpr,
     ROWS: tl.constexpr,
     GATHER: tl.constexpr,
+    GROUPED: tl.constexpr,
     POW2: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
     """Token tiles of 128 rows within one expert x 128 columns: reads the tile once and writes its
     token-transposed quantization (columns [t*128, +128) of ``qt``) and, if ``ROWS``, its 1x128
     row quantization. Tiles past the last expert write zeros, so ``qt`` is defined everywhere.
-    The rows are those of ``parts[0]``, or, GATHER, gathered from the parts (:func:`_row_bases`)."""
+    The rows are those of ``parts[0]``, or, GATHER, gathered from the parts (:func:`_row_bases`).
+    GROUPED: the tiles are those of a ``TileMap``; else all M rows are one group, tile t is rows
+    [t*128, +128), and program (0, 0) writes the group's start and length (0, cdiv(M, 128) * 128)
+    to ``group_ptr`` [2] int32, so a dense tensor costs no tile map and no offsets tensor."""
     t = tl.program_id(0)
     kb = tl.program_id(1)
-    e = tl.load(tile_expert_ptr + t)
-    row0 = tl.load(tile_row_ptr + t)
-    end = tl.where(e < E, tl.load(group_end_ptr + tl.minimum(e, E - 1)), row0)
+    if GROUPED:
+        e = tl.load(tile_expert_ptr + t)
+        row0 = tl.load(tile_row_ptr + t)
+        end = tl.where(e < E, tl.load(group_end_ptr + tl.minimum(e, E - 1)), row0)
+    else:
+        row0 = t * 128
+        end = M
+        if t == 0 and kb == 0:
+            tl.store(group_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, 0, tl.cdiv(M, 128) * 128))
     r = tl.arange(0, 128)
     rows = row0 + r
     cols = kb * 128 + tl.arange(0, 128)
@@ -455,10 +466,14 @@ def quantize_act_t(
     with_rows: also return the Fp8Act of x from the same pass, as ``(Fp8Act, Fp8ActT)``.
     """
     _check_2d(x, "x")
-    offs = _default_offs(x, offs)
     if not use_triton(x):
         return quantize_act_t_reference(x, offs, pow2_scales=pow2_scales, with_rows=with_rows)
-    return _launch_tiles(x, x.shape[1], 0, 0, offs, pow2_scales, with_rows)
+    return _launch_tiles(x, x.shape[1], 0, 0, _checked_offs(x, offs), pow2_scales, with_rows)
+
+
+def _checked_offs(x: Tensor, offs: Tensor | None) -> Tensor | None:
+    """offs validated against x's rows; None (one group) stays None: the kernels need no offsets."""
+    return None if offs is None else _default_offs(x, offs)
 
 
 def _default_offs(x: Tensor, offs: Tensor | None) -> Tensor:
@@ -474,33 +489,44 @@ def _launch_tiles(
     K: int,
     half: int,
     prologue: int,
-    offs: Tensor,
+    offs: Tensor | None,
     pow2: bool,
     rows: bool,
     src: tuple[Tensor, Tensor] | None = None,
 ):
     """x: the [M, *] tensor, or (with ``src`` = (src_part, src_row), [M] int32 each) the parts whose
-    rows ``src`` gathers; every part has x's row stride."""
+    rows ``src`` gathers; every part has x's row stride. offs: [E] int32 cumulative expert ends, or
+    None: the M rows are one group (no tile map: the kernel knows its tiles and writes the group)."""
     parts = x if isinstance(x, tuple) else (x,)
     first = parts[0]
     M = src[0].shape[0] if src is not None else first.shape[0]
-    E = offs.numel()
-    tm = tile_map(offs, M, GROUP)
-    cap = tm.cap * GROUP
     device = first.device
-    qt = torch.empty(K, cap, dtype=FP8_DTYPE, device=device)
-    st = _empty_scale(K, tm.cap, device)
+    if offs is None:
+        tiles, E = max(cdiv(M, GROUP), 1), 1
+        group = torch.empty(2, dtype=torch.int32, device=device)  # [start, len], written by the kernel
+        maps = (group, group, group)  # unused pointers without GROUPED
+    else:
+        tm = tile_map(offs, M, GROUP)
+        tiles, E = tm.cap, offs.numel()
+        maps = (tm.expert, tm.row, tm.group_end)
+    qt = torch.empty(K, tiles * GROUP, dtype=FP8_DTYPE, device=device)
+    st = _empty_scale(K, tiles, device)
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=device) if rows else qt
     s = _empty_scale(M, cdiv(K, GROUP), device) if rows else st
-    src_part, src_row = src if src is not None else (offs, offs)  # unused pointers without GATHER
+    src_part, src_row = src if src is not None else (maps[0], maps[0])  # unused pointers without GATHER
     if K > 0:
-        _quant_tiles_kernel[(tm.cap, cdiv(K, GROUP))](
+        _quant_tiles_kernel[(tiles, cdiv(K, GROUP))](
             parts, src_part, src_row, q.view(torch.uint8), s, qt.view(torch.uint8), st,
-            tm.expert, tm.row, tm.group_end, M, K, E, first.stride(0), q.stride(0), qt.stride(0), half,
-            PROLOGUE=prologue, ROWS=rows, GATHER=src is not None, POW2=pow2, EMULATE=interpreting(),
-            num_warps=TILES_WARPS,
+            *maps, maps[0], M, K, E, first.stride(0), q.stride(0), qt.stride(0), half,
+            PROLOGUE=prologue, ROWS=rows, GATHER=src is not None, GROUPED=offs is not None, POW2=pow2,
+            EMULATE=interpreting(), num_warps=TILES_WARPS,
         )  # fmt: skip
-    out_t = Fp8ActT(qt, st, tm.first_tile * GROUP, tm.num_tiles * GROUP)
+    elif offs is None:
+        group = torch.tensor([0, cdiv(M, GROUP) * GROUP], dtype=torch.int32, device=device)
+    if offs is None:
+        out_t = Fp8ActT(qt, st, group[:1], group[1:])
+    else:
+        out_t = Fp8ActT(qt, st, tm.first_tile * GROUP, tm.num_tiles * GROUP)
     return (Fp8Act(q, s), out_t) if rows else out_t
 
 

@@ -18,7 +18,7 @@ from fmoe.kernels.fp8_quant import (
     GROUP,
     Fp8Act,
     Fp8ActT,
-    _default_offs,
+    _checked_offs,
     _e4m3_bits,
     _empty_scale,
     _launch_rows,
@@ -133,7 +133,7 @@ def swiglu_quant(
     if not use_triton(h):
         return swiglu_quant_reference(h, offs, with_t=with_t, pow2_scales=pow2_scales)
     if with_t:
-        return _launch_tiles(h, inter, inter, 1, _default_offs(h, offs), pow2_scales, True)
+        return _launch_tiles(h, inter, inter, 1, _checked_offs(h, offs), pow2_scales, True)
     return _launch_rows(h, inter, inter, 1, pow2_scales)
 
 

@@ -121,12 +121,23 @@ def test_quantize_act_t_pads_each_expert_with_zeros():
     assert torch.all(err <= x[30:].float().t().abs() / 16 + cols.scale[:, 1:2] / 1024)
 
 
-def test_quantize_act_t_dense_is_one_group():
-    x = _activations(130, 256, seed=5)
-    cols = fq.quantize_act_t(x)
-    grouped = fq.quantize_act_t(x, torch.tensor([130], dtype=torch.int32))
-    assert _bits_equal(cols.data, grouped.data) and _bits_equal(cols.scale, grouped.scale)
-    assert cols.data.shape == (256, 256) and cols.group_len.tolist() == [256]
+@pytest.mark.parametrize("tokens", [130, 256, 0])
+def test_quantize_act_t_dense_is_one_group_with_no_tile_map(tokens, monkeypatch):
+    # offs=None: the kernel finds its tiles itself and writes the group's start and length, so a
+    # dense quantization launches no tile map (nor makes an offsets tensor); the bits are those of
+    # one explicit group
+    x = _activations(256, 256, seed=5)[:tokens]
+    grouped_rows, grouped = fq.quantize_act_t(x, torch.tensor([tokens], dtype=torch.int32), with_rows=True)
+
+    def no_tile_map(*args):
+        raise AssertionError("a dense quantization built a tile map")
+
+    monkeypatch.setattr(fq, "tile_map", no_tile_map)
+    rows, cols = fq.quantize_act_t(x, with_rows=True)
+    for got, want in [(cols, grouped), (rows, grouped_rows)]:
+        assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    assert cols.data.shape == (256, max(-(-tokens // 128), 1) * 128)
+    assert cols.group_start.tolist() == [0] and cols.group_len.tolist() == [-(-tokens // 128) * 128]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp32 master weights, bf16 copies

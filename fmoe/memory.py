@@ -2,9 +2,12 @@
 
 On a CUDA device the caching allocator's peak (``torch.cuda.max_memory_allocated``). On a CPU the
 process's peak resident set (``VmHWM`` in ``/proc/self/status``), which Linux resets when "5" is
-written to ``/proc/self/clear_refs``: tensors of more than a few hundred KiB are mmap'd by the C
-allocator and returned to the system when freed, so the resident peak follows the tensors' peak
-(plus the interpreter's own few hundred MiB, which ``reset_peak``'s baseline removes).
+written to ``/proc/self/clear_refs``. The resident peak follows the tensors' peak (plus the
+interpreter's own few hundred MiB, which ``reset_peak``'s baseline removes) only where freed tensors
+leave the resident set: in a process started with a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_=65536``
+in its environment, as the tests' measuring processes are), where every tensor above it is a mapping
+of its own, returned when freed. glibc's default threshold is adaptive: freeing a mapped block raises
+it (to 32 MiB at most), and later blocks below it come from the heap and may stay resident when freed.
 """
 
 from __future__ import annotations

@@ -10,10 +10,29 @@ import os
 # the layers' fused kernels (norms, SwiGLU, cross-entropy) take Triton on CUDA tensors only.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fmoe.stages import qwen3_moe  # noqa: E402
+
+# The environment of a process that measures its resident peak (``fmoe.memory`` on a CPU): a fixed
+# mmap threshold, so every block above 64 KiB is a mapping of its own, returned when freed, and the
+# resident peak follows the tensors'. glibc's default threshold is adaptive: a freed block raises it
+# and later blocks stay resident when freed (a checkpoint save measured 7 MiB in some runs and
+# 21-35 MiB in others). It is read when a process starts: set it for the processes a test spawns.
+MEASURING_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+
+
+@contextlib.contextmanager
+def measuring_env() -> Iterator[None]:
+    """Processes spawned inside this block start with ``MEASURING_ENV``."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in MEASURING_ENV.items():
+            mp.setenv(name, value)
+        yield
 
 
 def tiny_config(**overrides) -> qwen3_moe.Qwen3MoeConfig:

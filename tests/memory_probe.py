@@ -26,7 +26,9 @@ STEP_BATCH, STEP_MICROBATCHES = (8, 512), 8  # the step measured per merge windo
 
 def measure() -> dict[str, int]:
     """{"none" | "selective" | "full" | "window 0" | "window 1": bytes}, from a child process."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    from conftest import MEASURING_ENV
+
+    env = dict(os.environ, **MEASURING_ENV, PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -8,9 +8,11 @@ below the whole-step one by the factor ``working_set.gathered_working_set_bytes`
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
-from conftest import random_batch, tiny_config
+from conftest import measuring_env, random_batch, tiny_config
 
 from fmoe import dist as D
 from fmoe import gather_plan, memory, parallel, pipeline, sharding, working_set
@@ -105,7 +107,6 @@ def memory_worker(rank, world, group, microbatches):
     infos = sharding.layout(model, mesh, shapes, list(shapes))
     shards = sharding.shard_canonical(model.init(seed=3), infos, mesh)
     peaks: dict[str, list[int]] = {"step": [], "chunk": []}
-    predicted = {}
     # the first two warm up (thread pools, gloo). Then each mode's peak three times, and its median:
     # a single peak varies from run to run by up to about one layer's gathered bytes (2 runs in 35
     # failed with one: a chunk peak of 27.4 MiB against 24.5 planned), as the async gathers and
@@ -115,7 +116,9 @@ def memory_worker(rank, world, group, microbatches):
         result = _step(model, shards, infos, batch, microbatches, mesh, None, None, gather)
         peaks[gather].append(memory.peak_bytes(CPU) - base)
         del result
-        predicted[gather] = working_set.gathered_working_set_bytes(
+    measured = {gather: statistics.median(p[1:]) for gather, p in peaks.items()}  # warm-up left out
+    predicted = {
+        gather: working_set.gathered_working_set_bytes(
             model,
             mesh,
             shapes,
@@ -125,16 +128,15 @@ def memory_worker(rank, world, group, microbatches):
             gather=gather,
             with_grad_shards=True,
         )
-    measured = {gather: sorted(p[1:])[1] for gather, p in peaks.items()}  # the warm-up left out
+        for gather in peaks
+    }
     return {"measured": measured, "predicted": predicted}
 
 
 @pytest.mark.skipif(not memory.can_measure(CPU), reason="needs Linux /proc")
-def test_per_layer_gathers_cut_the_measured_peak_by_the_predicted_factor(monkeypatch):
-    # a fixed mmap threshold: every tensor above 64 KiB is its own mapping, returned when freed, so
-    # the resident peak follows the tensors' (glibc would otherwise raise the threshold as they free)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    results = D.spawn(memory_worker, 2, (2,), timeout_s=300)
+def test_per_layer_gathers_cut_the_measured_peak_by_the_predicted_factor():
+    with measuring_env():
+        results = D.spawn(memory_worker, 2, (2,), timeout_s=300)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error}\n{r.traceback}"
         measured, predicted = r.value["measured"], r.value["predicted"]

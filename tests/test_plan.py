@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import measuring_env
 
 from fmoe import memory, parallel, pipeline, plan, plan_activations, plan_text, sharding
 from fmoe import recipe as R
@@ -121,16 +122,14 @@ UPPER_BOUND_LAYOUTS = {"dp2_chunk": {"parallel.dp": 2, "parallel.gather": "chunk
 
 
 @needs_proc
-def test_plan_within_ten_percent_of_the_measured_peak(monkeypatch):
+def test_plan_within_ten_percent_of_the_measured_peak():
     """dp = 2, pp = 2 (1F1B) and ep = 2 on two gloo processes: every rank's planned peak within 10%
     of its measured one, and its planned master bytes exactly its shards'."""
     from fmoe import dist
 
-    # every tensor above 64 KiB its own mapping, returned to the system when freed: the resident
-    # peak then follows the tensors' peak (glibc's adaptive threshold would keep freed ones resident)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     layouts = {name: {**MEASURED, **sizes} for name, sizes in {**LAYOUTS, **UPPER_BOUND_LAYOUTS}.items()}
-    results = dist.spawn(measure_worker, 2, (layouts,), timeout_s=240)
+    with measuring_env():
+        results = dist.spawn(measure_worker, 2, (layouts,), timeout_s=240)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
     for layout in LAYOUTS:

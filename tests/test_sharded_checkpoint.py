@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import relative_error, tiny_config
+from conftest import measuring_env, relative_error, tiny_config
 from test_train import recipe_dict
 
 from fmoe import checkpoint, memory, optim, sharding, train, train_state
@@ -161,11 +161,7 @@ def job_worker(rank, world, group, root: str, dataset: str):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, dataset) -> list:
     root = tmp_path_factory.mktemp("sharded")
-    # the workers measure their resident peak (``_memory``): with glibc's adaptive mmap threshold a
-    # freed block raises it and later blocks stay resident when freed, so a save's peak was 7 MiB in
-    # some runs and 21-35 MiB in others; fixed at 64 KiB, every tensor is returned when freed
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
+    with measuring_env():  # the workers measure their resident peak (``_memory``)
         results = D.spawn(job_worker, WORLD, (str(root), dataset), timeout_s=400)
     for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}"
@@ -317,19 +313,16 @@ def _export_peak(rank: int, world: int, group, path: str, out_dir: str) -> int:
     return memory.peak_bytes(cpu) - base
 
 
-def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path, monkeypatch):
+def test_export_hf_streams_holding_about_one_tensor_not_the_model(job, tmp_path):
     from safetensors import safe_open
 
     cfg = tiny_config(**BIG)
     shapes = qwen3_moe.param_shapes(cfg)
     one_tensor = 4 * max(torch.Size(s).numel() for s in shapes.values())
     whole = 4 * sum(torch.Size(s).numel() for s in shapes.values())
-    # a fresh process with a fixed mmap threshold: every tensor above 64 KiB is its own mapping,
-    # returned when freed, so the resident peak follows the tensors' (a long test session's heap
-    # would keep freed blocks resident)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     path, out = job[0]["memory"]["path"], tmp_path / "hf"
-    [result] = D.spawn(_export_peak, 1, (path, str(out)), timeout_s=240)
+    with measuring_env():  # a fresh process whose resident peak follows its tensors'
+        [result] = D.spawn(_export_peak, 1, (path, str(out)), timeout_s=240)
     assert result.ok, f"{result.error_type}: {result.error}\n{result.traceback}"
     extra = result.value
     # one canonical tensor assembled, plus its Hugging Face form (qwen3_moe unstacks the experts

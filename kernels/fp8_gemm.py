@@ -58,6 +58,8 @@ from fmoe.kernels.fp8_quant import (
     GROUP,
     Fp8Act,
     Fp8ActT,
+    TileMap,
+    _tile_cap,
     cdiv,
     dequantize_act,
     dequantize_act_t,
@@ -490,6 +492,7 @@ def fp8_gemm_nt(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str | None = None,
     config: GemmConfig | None = None,
+    tiles: TileMap | None = None,
 ) -> Tensor:
     """C = A @ B^T, block-scaled FP8 in, FP32 accumulation, ``out_dtype`` out.
 
@@ -497,6 +500,9 @@ def fp8_gemm_nt(
     b:       [N, K] or, grouped, [experts, N, K] float8_e4m3fn; b_scale [(experts,) cdiv(N,128), cdiv(K,128)]
     offs:    [experts] int32 cumulative end rows of each expert's tokens in ``a`` (grouped only);
              rows at or past offs[-1] are not written
+    tiles:   grouped only, the map of ``offs`` the Triton kernel walks, from :func:`nt_tile_map`
+             (built here when None): GEMMs over the same rows - an expert MLP's forward and input
+             gradient, up and down - share one
     returns: [M, N] ``out_dtype``
     """
     from fmoe.kernels.fp8_quant import check_offs
@@ -526,20 +532,40 @@ def fp8_gemm_nt(
     b_desc = TensorDescriptor.from_tensor(b2, [cfg.block_n, GROUP])
     sb = b_scale if grouped else b_scale[None]
     if grouped:
-        tm = tile_map(offs, M, cfg.block_m)
-        tiles = (tm.expert, tm.row, tm.group_end, tm.cap)
+        tm = tile_map(offs, M, cfg.block_m) if tiles is None else _checked_tiles(tiles, offs, M, cfg.block_m)
+        walk = (tm.expert, tm.row, tm.group_end, tm.cap)
     else:
-        tiles = (a.scale, a.scale, a.scale, cdiv(M, cfg.block_m))  # unused pointers
-    num_tiles = tiles[3] * cdiv(N, cfg.block_n)
+        walk = (a.scale, a.scale, a.scale, cdiv(M, cfg.block_m))  # unused pointers
+    num_tiles = walk[3] * cdiv(N, cfg.block_n)
     programs = max(1, min(num_tiles, cfg.programs_per_sm * num_sms(a.data.device)))
     _nt_kernel[(programs,)](
-        a_desc, b_desc, out, a.scale, sb, tiles[0], tiles[1], tiles[2],
-        M, N, K, E, tiles[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
+        a_desc, b_desc, out, a.scale, sb, walk[0], walk[1], walk[2],
+        M, N, K, E, walk[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
         sb.stride(0), sb.stride(1), sb.stride(2),
         GROUPED=grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, **_launch_options(cfg),
     )  # fmt: skip
     return out
+
+
+def nt_tile_map(offs: Tensor, rows: int, config: GemmConfig | None = None) -> TileMap:
+    """The map of ``rows`` expert-grouped rows (offs [experts] int32 cumulative ends) that the grouped
+    :func:`fp8_gemm_nt` walks with ``config`` (None: its default), to be built once and passed as
+    its ``tiles`` by every GEMM over those rows."""
+    return tile_map(offs, rows, (config or _default_config(offs, wgrad=False)).block_m)
+
+
+def _checked_tiles(tiles: TileMap, offs: Tensor, rows: int, block_m: int) -> TileMap:
+    if (
+        tiles.tile != block_m
+        or tiles.cap != _tile_cap(offs, rows, block_m)
+        or tiles.group_end.numel() != offs.numel()
+    ):
+        raise ValueError(
+            f"tiles: a map of {tiles.group_end.numel()} experts in {tiles.tile}-row tiles (cap {tiles.cap}); this GEMM "
+            f"walks {offs.numel()} experts' {rows} rows in {block_m}-row tiles (nt_tile_map builds its map)"
+        )
+    return tiles
 
 
 def fp8_gemm_wgrad(

@@ -20,10 +20,19 @@ The dense GEMMs run on cuBLAS where it supports them (Hopper), else on Triton; `
 import torch
 from torch import Tensor
 
-from fmoe.kernels.fp8_gemm import fp8_gemm_nt, fp8_gemm_wgrad
-from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT, Fp8Weight, quantize_act, quantize_act_t, quantize_weight
+from fmoe.kernels.fp8_gemm import fp8_gemm_nt, fp8_gemm_wgrad, nt_tile_map
+from fmoe.kernels.fp8_quant import (
+    Fp8Act,
+    Fp8ActT,
+    Fp8Weight,
+    TileMap,
+    quantize_act,
+    quantize_act_t,
+    quantize_weight,
+)
 
 __all__ = [
+    "nt_tile_map",
     "quantize_weight",
     "fp8_linear_forward",
     "fp8_linear_input_grad",
@@ -98,11 +107,13 @@ def fp8_grouped_linear_forward(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     pow2_scales: bool = False,
+    tiles: TileMap | None = None,
 ) -> Tensor:
     """y[rows of e] = x[rows of e] @ w[e]^T. x: [tokens, in] expert-grouped, w_fp8 of [experts, out, in],
-    offs: [experts] int32 cumulative end offsets -> y [tokens, out]."""
+    offs: [experts] int32 cumulative end offsets -> y [tokens, out]. tiles: ``nt_tile_map(offs, tokens)``,
+    to share one map between the GEMMs over the same rows (None: built here)."""
     _check_weight(w_fp8, grouped=True)
-    return fp8_gemm_nt(_rows(x, pow2_scales), w_fp8.data, w_fp8.scale, offs, out_dtype=out_dtype)
+    return fp8_gemm_nt(_rows(x, pow2_scales), w_fp8.data, w_fp8.scale, offs, out_dtype=out_dtype, tiles=tiles)
 
 
 def fp8_grouped_linear_input_grad(
@@ -112,10 +123,13 @@ def fp8_grouped_linear_input_grad(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     pow2_scales: bool = False,
+    tiles: TileMap | None = None,
 ) -> Tensor:
-    """dx[rows of e] = dy[rows of e] @ w[e]. dy: [tokens, out] -> dx [tokens, in]."""
+    """dx[rows of e] = dy[rows of e] @ w[e]. dy: [tokens, out] -> dx [tokens, in]; tiles as for the forward."""
     _check_weight(w_fp8, grouped=True)
-    return fp8_gemm_nt(_rows(dy, pow2_scales), w_fp8.data_t, w_fp8.scale_t, offs, out_dtype=out_dtype)
+    return fp8_gemm_nt(
+        _rows(dy, pow2_scales), w_fp8.data_t, w_fp8.scale_t, offs, out_dtype=out_dtype, tiles=tiles
+    )
 
 
 def fp8_grouped_linear_weight_grad(

@@ -340,6 +340,7 @@ class TileMap:
     first_tile:  [experts] int32, index of each expert's first tile
     num_tiles:   [experts] int32, tiles per expert
     cap:         an upper bound of the number of tiles, cdiv(rows, tile) + experts - 1
+    tile:        rows per tile
     """
 
     expert: Tensor
@@ -348,6 +349,7 @@ class TileMap:
     first_tile: Tensor
     num_tiles: Tensor
     cap: int
+    tile: int
 
 
 # Tiles per program of _tile_map_kernel (at most), and the most experts it takes (their per-expert
@@ -396,7 +398,7 @@ def tile_map_reference(offs: Tensor, rows: int, tile: int) -> TileMap:
     e = expert.clamp_max(offs.numel() - 1)
     row = starts[e] + (t - first[e]) * tile
     i32 = torch.int32
-    return TileMap(expert.to(i32), row.to(i32), ends.to(i32), first.to(i32), ntiles.to(i32), cap)
+    return TileMap(expert.to(i32), row.to(i32), ends.to(i32), first.to(i32), ntiles.to(i32), cap, tile)
 
 
 def _tile_cap(offs: Tensor, rows: int, tile: int) -> int:
@@ -416,7 +418,7 @@ def tile_map(offs: Tensor, rows: int, tile: int) -> TileMap:
     block_t = max(16, min(TILE_MAP_BLOCK, 16384 // EP))  # the [tiles, experts] compare stays 16k
     _tile_map_kernel[(cdiv(cap, block_t),)](offs, out, E, cap, tile, EP=EP, BLOCK_T=block_t, num_warps=4)
     expert, row, group_end, first_tile, num_tiles = out.split([cap, cap, E, E, E])
-    return TileMap(expert, row, group_end, first_tile, num_tiles, cap)
+    return TileMap(expert, row, group_end, first_tile, num_tiles, cap, tile)
 
 
 # ----------------------------------------------------------------------------------------------

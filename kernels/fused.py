@@ -5,6 +5,9 @@ SwiGLU takes ``h = [gate | up]`` (``[tokens, 2 * inter]``, the output of the fus
 projection) and returns ``silu(gate) * up``. ``swiglu_quant`` writes that product straight to FP8
 (1x128 groups, and if asked the token-transposed per-expert layout the weight-gradient GEMM reads)
 without the bf16 round trip through memory; its bits equal ``quantize_act(swiglu(h))``.
+``swiglu(h, quantize=True)`` writes both (the bf16 product a weight gradient reads, and its FP8
+rows the next GEMM reads), and ``swiglu_backward(h, da, quantize=True)`` the gradient with its FP8
+rows, so neither is read again just to be quantized.
 RMSNorm's backward writes per-program partial sums of the weight gradient and adds them with torch,
 so the result does not depend on atomics. ``moe_sum`` is the end of an MoE layer, the residual plus
 the gate-weighted sum of each token's k expert outputs, in one pass (its backward in one more).
@@ -15,6 +18,7 @@ from torch import Tensor
 
 from fmoe.kernels._triton import interpreting, num_sms, tl, triton, use_triton
 from fmoe.kernels.fp8_quant import (
+    FP8_DTYPE,
     GROUP,
     Fp8Act,
     Fp8ActT,
@@ -33,21 +37,64 @@ from fmoe.kernels.fp8_quant import (
 # ----------------------------------------------------------------------------------------------
 # SwiGLU
 
+SWIGLU_BLOCK_R = 32  # rows per program of the SwiGLU kernels; columns: one 128-wide group
+
 
 @triton.jit
-def _swiglu_kernel(h_ptr, a_ptr, M, I, stride_hm, stride_am, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gate_up_block(h_ptr, M, I, stride_hm, BLOCK_R: tl.constexpr):
+    """This program's block of the SwiGLU kernels: rows [i*BLOCK_R, +BLOCK_R) x columns [j*128, +128)
+    of each half of h = [gate | up], loaded as fp32 (g, u), with its indices and masks."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < M) & (cols[None, :] < I)
-    hp = h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < I)
+    r64 = rows[:, None].to(tl.int64)
+    hp = h_ptr + r64 * stride_hm + cols[None, :]
     g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
-    a = _silu_mul(g, u)
-    tl.store(
-        a_ptr + rows[:, None].to(tl.int64) * stride_am + cols[None, :],
-        a.to(a_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    return rows, kb, cols, rmask, mask, r64, g, u
+
+
+@triton.jit
+def _swiglu_kernel(
+    h_ptr,
+    a_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    I,
+    stride_hm,
+    stride_am,
+    QUANT: tl.constexpr,
+    POW2: tl.constexpr,
+    EMULATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program (i, j): rows [i*BLOCK_R, +BLOCK_R) x columns [j*128, +128) of a = silu(gate) * up, one
+    1x128 group of each row; QUANT also writes the group's FP8 bits and scale (of the rounded a, so
+    the bits equal quantize_act(a))."""
+    rows, kb, cols, rmask, mask, r64, g, u = _gate_up_block(h_ptr, M, I, stride_hm, BLOCK_R)
+    a = _silu_mul(g, u).to(a_ptr.dtype.element_ty)
+    tl.store(a_ptr + r64 * stride_am + cols[None, :], a, mask=mask)
+    if QUANT:
+        _store_row_groups(
+            a.to(tl.float32),
+            q_ptr + r64 * I + cols[None, :],
+            s_ptr + kb * M + rows,
+            mask,
+            rmask,
+            POW2,
+            EMULATE,
+        )
+
+
+@triton.jit
+def _store_row_groups(v, q_ptrs, s_ptrs, mask, rmask, POW2: tl.constexpr, EMULATE: tl.constexpr):
+    """The 1x128 quantization of v [rows, 128] (fp32, one group a row): bits to q_ptrs, scales to s_ptrs."""
+    s, inv = _scales(tl.max(tl.abs(v), axis=1), POW2)
+    tl.store(q_ptrs, _e4m3_bits(v * inv[:, None], EMULATE), mask=mask)
+    tl.store(s_ptrs, s, mask=rmask)
 
 
 @triton.jit
@@ -55,28 +102,35 @@ def _swiglu_bwd_kernel(
     h_ptr,
     da_ptr,
     dh_ptr,
+    q_ptr,
+    s_ptr,
     M,
     I,
     stride_hm,
     stride_dam,
     stride_dhm,
+    QUANT: tl.constexpr,
+    POW2: tl.constexpr,
+    EMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < M) & (cols[None, :] < I)
-    r64 = rows[:, None].to(tl.int64)
-    hp = h_ptr + r64 * stride_hm + cols[None, :]
-    g = tl.load(hp, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(hp + I, mask=mask, other=0.0).to(tl.float32)
+    """Program (i, j): rows [i*BLOCK_R, +BLOCK_R) x columns [j*128, +128) of both halves of dh =
+    [dgate | dup]; QUANT (I a multiple of 128, so each half's columns are one 1x128 group of dh) also
+    writes both groups' FP8 bits and scales, of the rounded dh (the bits of quantize_act(dh))."""
+    rows, kb, cols, rmask, mask, r64, g, u = _gate_up_block(h_ptr, M, I, stride_hm, BLOCK_R)
     da = tl.load(da_ptr + r64 * stride_dam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    dg = da * u * sig * (1.0 + g * (1.0 - sig))
-    du = da * g * sig
+    dg = (da * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
+    du = (da * g * sig).to(dh_ptr.dtype.element_ty)
     dp = dh_ptr + r64 * stride_dhm + cols[None, :]
-    tl.store(dp, dg.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dp + I, du.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dp, dg, mask=mask)
+    tl.store(dp + I, du, mask=mask)
+    if QUANT:
+        qp = q_ptr + r64 * (2 * I) + cols[None, :]
+        sp = s_ptr + kb * M + rows
+        groups = I // 128
+        _store_row_groups(dg.to(tl.float32), qp, sp, mask, rmask, POW2, EMULATE)
+        _store_row_groups(du.to(tl.float32), qp + I, sp + groups * M, mask, rmask, POW2, EMULATE)
 
 
 def _check_h(h: Tensor) -> int:
@@ -87,36 +141,59 @@ def _check_h(h: Tensor) -> int:
     return h.shape[1] // 2
 
 
-def swiglu(h: Tensor) -> Tensor:
-    """h: [tokens, 2 * inter] = [gate | up] -> silu(gate) * up: [tokens, inter], h's dtype."""
+def swiglu(h: Tensor, *, quantize: bool = False, pow2_scales: bool = False) -> Tensor | tuple[Tensor, Fp8Act]:
+    """h: [tokens, 2 * inter] = [gate | up] -> a = silu(gate) * up: [tokens, inter], h's dtype, and
+    with ``quantize`` also Fp8Act(a) (1x128 groups) from the same pass: the bits of quantize_act(a)."""
     inter = _check_h(h)
     if not use_triton(h):
-        return swiglu_reference(h)
+        a = swiglu_reference(h)
+        return (a, quantize_act_reference(a, pow2_scales=pow2_scales)) if quantize else a
     M = h.shape[0]
     a = torch.empty(M, inter, dtype=h.dtype, device=h.device)
+    q, s = _quant_outputs(M, inter, h.device, quantize)
     if a.numel():
-        _swiglu_kernel[(cdiv(M, 32), cdiv(inter, 128))](
-            h, a, M, inter, h.stride(0), a.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4
-        )
-    return a
+        _swiglu_kernel[(cdiv(M, SWIGLU_BLOCK_R), cdiv(inter, GROUP))](
+            h, a, q.view(torch.uint8) if quantize else a, s if quantize else a, M, inter, h.stride(0), a.stride(0),
+            QUANT=quantize, POW2=pow2_scales, EMULATE=interpreting(), BLOCK_R=SWIGLU_BLOCK_R, num_warps=4,
+        )  # fmt: skip
+    return (a, Fp8Act(q, s)) if quantize else a
 
 
-def swiglu_backward(h: Tensor, da: Tensor) -> Tensor:
-    """Input gradient of swiglu: h [tokens, 2 * inter], da [tokens, inter] -> dh [tokens, 2 * inter]."""
+def swiglu_backward(
+    h: Tensor, da: Tensor, *, quantize: bool = False, pow2_scales: bool = False
+) -> Tensor | tuple[Tensor, Fp8Act]:
+    """Input gradient of swiglu: h [tokens, 2 * inter], da [tokens, inter] -> dh [tokens, 2 * inter],
+    and with ``quantize`` (inter a multiple of 128) also Fp8Act(dh) from the same pass: the bits of
+    quantize_act(dh), the FP8 input-gradient GEMM's operand."""
     inter = _check_h(h)
     if da.shape != (h.shape[0], inter) or da.stride(1) != 1:
         raise ValueError(
             f"da: expected shape {(h.shape[0], inter)} with a contiguous last dim, got {tuple(da.shape)}"
         )
+    if quantize and inter % GROUP:
+        raise ValueError(f"swiglu_backward(quantize=True): inter must be a multiple of {GROUP}, got {inter}")
     if not use_triton(h):
-        return swiglu_backward_reference(h, da)
+        dh = swiglu_backward_reference(h, da)
+        return (dh, quantize_act_reference(dh, pow2_scales=pow2_scales)) if quantize else dh
     M = h.shape[0]
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
+    q, s = _quant_outputs(M, 2 * inter, h.device, quantize)
     if dh.numel():
-        _swiglu_bwd_kernel[(cdiv(M, 32), cdiv(inter, 128))](
-            h, da, dh, M, inter, h.stride(0), da.stride(0), dh.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4
-        )
-    return dh
+        _swiglu_bwd_kernel[(cdiv(M, SWIGLU_BLOCK_R), cdiv(inter, GROUP))](
+            h, da, dh, q.view(torch.uint8) if quantize else dh, s if quantize else dh, M, inter,
+            h.stride(0), da.stride(0), dh.stride(0),
+            QUANT=quantize, POW2=pow2_scales, EMULATE=interpreting(), BLOCK_R=SWIGLU_BLOCK_R, num_warps=4,
+        )  # fmt: skip
+    return (dh, Fp8Act(q, s)) if quantize else dh
+
+
+def _quant_outputs(rows: int, cols: int, device, quantize: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The FP8 bits [rows, cols] and column-major scales of a fused kernel's quantized output, or Nones."""
+    if not quantize:
+        return None, None
+    return torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), _empty_scale(
+        rows, cdiv(cols, GROUP), device
+    )
 
 
 def swiglu_quant(

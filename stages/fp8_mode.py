@@ -56,7 +56,9 @@ __all__ = [
     "cols_from_saved",
     "cols_to_save",
     "fp8_dense_wgrad",
+    "caches_made_input",
     "fp8_expert_wgrad",
+    "fp8_swiglu_expert_weights",
     "fp8_training",
     "fp8_weight",
     "input_scope",
@@ -166,18 +168,34 @@ def _fp8_weight(w: Tensor, cache: dict):
     return cache[key]
 
 
-def _fp8_eligible(x: Tensor, w: Tensor) -> bool:
-    return all(d % 128 == 0 for d in w.shape[-2:]) and x.shape[-1] == w.shape[-1]
+def _fp8_eligible(in_features: int, w: Tensor) -> bool:
+    return all(d % 128 == 0 for d in w.shape[-2:]) and in_features == w.shape[-1]
+
+
+def _fp8_weight_for(in_features: int, w: Tensor, dense: bool):
+    cache = _FP8_WEIGHTS.get()
+    if cache is None or (dense and not _FP8_DENSE.get()) or not _fp8_eligible(in_features, w):
+        return None
+    return _fp8_weight(w, cache)
 
 
 def fp8_weight(x: Tensor, w: Tensor, dense: bool):
     """The FP8 form of ``w`` for a ``linear`` (dense) / ``grouped_linear`` call on ``x`` now, or None:
     the call runs in the compute dtype (outside ``fp8_training``, dims not multiples of 128, or a
     dense call with ``dense=False``)."""
-    cache = _FP8_WEIGHTS.get()
-    if cache is None or (dense and not _FP8_DENSE.get()) or not _fp8_eligible(x, w):
+    return _fp8_weight_for(x.shape[-1], w, dense)
+
+
+def fp8_swiglu_expert_weights(x: Tensor, gate_up_w: Tensor, down_w: Tensor):
+    """The FP8 forms of an expert MLP's two weights (``grouped_linear(swiglu(grouped_linear(x,
+    gate_up_w)), down_w)``), or None unless both of its GEMMs run in FP8 now.
+    x: [n, H], gate_up_w: [E, 2I, H], down_w: [E, H, I]."""
+    inter = gate_up_w.shape[-2] // 2
+    if down_w.shape[-1] != inter or gate_up_w.shape[-2] != 2 * inter:
         return None
-    return _fp8_weight(w, cache)
+    up = _fp8_weight_for(x.shape[-1], gate_up_w, dense=False)
+    down = _fp8_weight_for(inter, down_w, dense=False) if up is not None else None
+    return None if down is None else (up, down)
 
 
 def fp8_dense_wgrad() -> bool:
@@ -216,8 +234,7 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
         return None
     if is_recomputed(x):  # selective recomputation keeps no bytes of it at all
         return None
-    experts = 1 if offs is None else offs.numel()
-    if cached_input_bytes(x2.shape[0], x2.shape[1], experts) >= x2.numel() * x2.element_size():
+    if not caches_made_input(kind, x2.shape[0], x2.shape[1], x2.element_size(), offs):
         return None
     seen = _SEEN.get()
     hit = seen.get(id(x)) if seen is not None else None
@@ -230,6 +247,17 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
     if seen is not None:
         seen[id(x)] = _Seen(weakref.ref(x), offs, x._version, value)
     return value
+
+
+def caches_made_input(kind: str, rows: int, k: int, itemsize: int, offs: Tensor | None) -> bool:
+    """Whether an input [rows, k] (``itemsize`` bytes an element) that an F made - not a stage's
+    input, not recomputed - for the FP8 primitive ``kind`` is kept in its cached form now: caching is
+    on for ``kind`` and the cached form is smaller (``cached_input_bytes``). offs: [E] int32, or None
+    (one group)."""
+    if kind not in _CACHED.get() or not torch.is_grad_enabled():
+        return False
+    experts = 1 if offs is None else offs.numel()
+    return cached_input_bytes(rows, k, experts) < rows * k * itemsize
 
 
 def cols_to_save(cols: Fp8ActT) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fmoe.kernels._triton import use_triton
-from fmoe.stages.primitives import grouped_linear, linear
+from fmoe.stages.primitives import fp8_swiglu_experts, fuses_fp8_swiglu_experts, grouped_linear, linear
 from fmoe.stages.recompute import recomputable
 
 
@@ -281,7 +281,11 @@ def _swiglu(gate_up: Tensor) -> Tensor:
 
 def expert_mlp(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Tensor:
     """SwiGLU experts over expert-grouped rows. x: [n, H], gate_up_w: [E, 2I, H], down_w: [E, H, I],
-    offs: [E] int32 cumulative end offsets -> [n, H]."""
+    offs: [E] int32 cumulative end offsets -> [n, H]. In FP8 with the fused kernels one Function
+    hands the FP8 operands between the GEMMs and SwiGLU (``primitives.fp8_swiglu_experts``: the bits
+    of this composition with the fused SwiGLU)."""
+    if _fused(x) and fuses_fp8_swiglu_experts(x, gate_up_w, down_w):
+        return fp8_swiglu_experts(x, gate_up_w, down_w, offs)
     return grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from fmoe.stages import fp8_mode
 from fmoe.stages.fp8_mode import CachedInput, cols_from_saved, cols_to_save, fp8_training
+from fmoe.stages.recompute import recomputing
 
 if TYPE_CHECKING:
     from fmoe.kernels.fp8_quant import Fp8ActT
@@ -44,7 +45,9 @@ __all__ = [
     "grouped_mm",
     "grouped_mm_weight_grad",
     "active_tape",
+    "fp8_swiglu_experts",
     "fp8_training",
+    "fuses_fp8_swiglu_experts",
     "linear",
     "merge_grouped_weight_grads",
     "non_overlapping",
@@ -472,3 +475,112 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
         return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached, fp8_wgrad)
     return _GroupedLinear.apply(x, w, offs)
+
+
+class _Fp8SwiGLUExperts(torch.autograd.Function):
+    """``grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)`` in FP8 as one
+    Function, so that each FP8 operand is written by the kernel that makes its values: SwiGLU writes
+    its output's FP8 rows (the down GEMM's input) beside the bf16 output W reads, its backward the
+    FP8 rows of the gate/up gradient (the up GEMM's input-gradient operand) beside the bf16 gradient
+    W reads; the four GEMMs of F and B walk one tile map. The bits are those of the composition
+    (each FP8 operand is the quantization of the same bf16 values), the saved tensors the same, and
+    W gets the same two entries (down's, then up's, as B runs them)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up_w, down_w, offs, up_fp8, down_fp8, x_cached, cache_a, fp8_wgrad):
+        from fmoe.kernels import fused
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward, nt_tile_map
+
+        tiles = nt_tile_map(offs, x.shape[0])
+        rows = x if x_cached is None else x_cached.rows
+        gate_up = fp8_grouped_linear_forward(rows, up_fp8, offs, out_dtype=x.dtype, tiles=tiles)
+        if cache_a:  # W reads a's cached form: no bf16 a at all
+            a_rows, a_cols = fused.swiglu_quant(gate_up, offs, with_t=True)
+            a_saved = cols_to_save(a_cols)
+        else:
+            a, a_rows = fused.swiglu(gate_up, quantize=True)
+            a_saved = (a,)
+        y = fp8_grouped_linear_forward(a_rows, down_fp8, offs, out_dtype=x.dtype, tiles=tiles)
+        x_saved = (x,) if x_cached is None else cols_to_save(x_cached.cols)
+        tile_tensors = (tiles.expert, tiles.row, tiles.group_end, tiles.first_tile, tiles.num_tiles)
+        ctx.save_for_backward(offs, gate_up, *tile_tensors, *x_saved, *a_saved)
+        ctx.tile_sizes = (tiles.cap, tiles.tile)
+        ctx.x_parts, ctx.x_cached, ctx.a_cached = len(x_saved), x_cached is not None, cache_a
+        ctx.fp8_wgrad = fp8_wgrad
+        ctx.weights, ctx.fp8 = (gate_up_w, down_w), (up_fp8, down_fp8)
+        ctx.tapes = (_tape_for(gate_up_w), _tape_for(down_w))  # read in F's thread, as the others do
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        from fmoe.kernels import fused
+        from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
+        from fmoe.kernels.fp8_quant import TileMap
+
+        offs, gate_up, *rest = ctx.saved_tensors
+        tiles = TileMap(*rest[:5], *ctx.tile_sizes)
+        x_saved, a_saved = rest[5 : 5 + ctx.x_parts], rest[5 + ctx.x_parts :]
+        x = cols_from_saved(tuple(x_saved)) if ctx.x_cached else x_saved[0]
+        a = cols_from_saved(tuple(a_saved)) if ctx.a_cached else a_saved[0]
+        (up_w, down_w), (up_fp8, down_fp8) = ctx.weights, ctx.fp8
+        need_x, need_up, need_down = ctx.needs_input_grad[:3]
+        E = up_w.shape[0]
+        grads = [None, None]  # gate_up_w's, down_w's
+        if need_down:
+            compute = GroupedWeightGrad(a, dy, offs, E, fp8=ctx.fp8_wgrad, out_dtype=down_w.dtype)
+            grads[1] = _record_or_compute(ctx.tapes[1], down_w, compute)
+        dx = None
+        if need_x or need_up:
+            da = fp8_grouped_linear_input_grad(dy, down_fp8, offs, out_dtype=dy.dtype, tiles=tiles)
+            dgate_up, dgate_up_rows = fused.swiglu_backward(gate_up, da, quantize=True)
+            del da
+            if need_x:
+                dx = fp8_grouped_linear_input_grad(
+                    dgate_up_rows, up_fp8, offs, out_dtype=dy.dtype, tiles=tiles
+                )
+            if need_up:
+                compute = GroupedWeightGrad(x, dgate_up, offs, E, fp8=ctx.fp8_wgrad, out_dtype=up_w.dtype)
+                grads[0] = _record_or_compute(ctx.tapes[0], up_w, compute)
+        return dx, grads[0], grads[1], None, None, None, None, None, None
+
+
+def _record_or_compute(
+    tape: WeightGradTape | None, weight: Tensor, compute: GroupedWeightGrad
+) -> Tensor | None:
+    """W's GEMM of ``weight``: on ``tape`` (None returned: W runs it), or run now (its gradient)."""
+    if tape is not None:
+        tape.record(weight, compute)
+        return None
+    return compute()
+
+
+def fuses_fp8_swiglu_experts(x: Tensor, gate_up_w: Tensor, down_w: Tensor) -> bool:
+    """Whether :func:`fp8_swiglu_experts` applies now: inside ``fp8_training``, with both GEMMs of
+    the expert MLP in FP8 (dims multiples of 128) and no selective recomputation (which recomputes
+    SwiGLU's output rather than keep it: the composition does that)."""
+    return (
+        fp8_mode.fp8_swiglu_expert_weights(x, gate_up_w, down_w) is not None
+        and not recomputing()
+        and x.dim() == 2
+        and x.stride(-1) == 1
+    )
+
+
+def fp8_swiglu_experts(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Tensor:
+    """SwiGLU experts, ``grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)``,
+    as one FP8 Function (:class:`_Fp8SwiGLUExperts`) where :func:`fuses_fp8_swiglu_experts` holds.
+
+    x: [n, H] expert-grouped rows (last dim contiguous), gate_up_w: [E, 2I, H] (gate rows first),
+    down_w: [E, H, I], offs: [E] int32 cumulative end rows -> [n, H] in x's dtype. The weight
+    gradients are deferred and FP8 as ``grouped_linear``'s are; inputs are cached in FP8 as there."""
+    weights = fp8_mode.fp8_swiglu_expert_weights(x, gate_up_w, down_w)
+    if weights is None or recomputing():
+        raise ValueError(
+            "fp8_swiglu_experts: needs both GEMMs in FP8 and no selective recomputation "
+            "(fuses_fp8_swiglu_experts says when)"
+        )
+    fp8_wgrad = fp8_mode.fp8_expert_wgrad()  # else W reads x and a in the compute dtype: no caching
+    x_cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
+    rows, inter = x.shape[0], down_w.shape[-1]
+    cache_a = fp8_wgrad and fp8_mode.caches_made_input("grouped_linear", rows, inter, x.element_size(), offs)
+    return _Fp8SwiGLUExperts.apply(x, gate_up_w, down_w, offs, *weights, x_cached, cache_a, fp8_wgrad)

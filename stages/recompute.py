@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["is_recomputed", "recomputable", "recompute_outputs"]
+__all__ = ["is_recomputed", "recomputable", "recompute_outputs", "recomputing"]
 
 
 class _Region:
@@ -104,6 +104,11 @@ def is_recomputed(t: Tensor) -> bool:
         return False
     region = regions.by_storage.get(t.untyped_storage().data_ptr())
     return region is not None and region.out() is not None
+
+
+def recomputing() -> bool:
+    """Whether the F running now runs under selective recomputation (inside :func:`recompute_outputs`)."""
+    return _ACTIVE.get() is not None
 
 
 @contextlib.contextmanager

@@ -257,6 +257,13 @@ def test_swiglu_forward_backward_and_quant_compiled_equal_references():
     assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
     for field in ("data", "scale", "group_start", "group_len"):
         assert _bits_equal(getattr(q_t, field), getattr(want_t, field)), field
+    # the bf16 output / gradient with their FP8 rows from the same pass (the fused FP8 experts)
+    a2, q = fused.swiglu(h, quantize=True)
+    assert torch.equal(a2, a) and _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+    dh = fused.swiglu_backward(h, da)
+    dh2, dq = fused.swiglu_backward(h, da, quantize=True)
+    dwant = fq.quantize_act(dh)
+    assert torch.equal(dh2, dh) and _bits_equal(dq.data, dwant.data) and _bits_equal(dq.scale, dwant.scale)
 
 
 def test_rmsnorm_forward_backward_compiled_equal_references():
@@ -479,6 +486,42 @@ def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypat
     # 2^-2 on the gradients as one vector.
     assert abs(fp8.loss.item() - bf16.loss.item()) < 2**-6 * bf16.loss.item()
     assert _global_rel(fp8.grads, bf16.grads) < 2**-2
+
+
+def test_fp8_experts_take_the_fused_function_with_the_bits_of_the_composition(monkeypatch):
+    # Qwen3-30B-A3B's expert shape (H 2048, I 768: K = 768 is 6 blocks), ragged routing with an
+    # empty expert, deferred W in FP8: layers.expert_mlp runs primitives.fp8_swiglu_experts on CUDA
+    from fmoe import stage as S
+    from fmoe.stages import layers, primitives
+    from fmoe.stages.primitives import fp8_training, grouped_linear
+    from fmoe.stages.spec import Stage, StageContext
+
+    E, H, inter = 128, 2048, 768
+    offs = _ragged_offs(16384 + 37, E, seed=40)
+    x = _randn(int(offs[-1]), H, seed=41, dtype=torch.bfloat16)
+    w1 = _randn(E, 2 * inter, H, seed=42, dtype=torch.bfloat16, scale=0.02)
+    w2 = _randn(E, H, inter, seed=43, dtype=torch.bfloat16, scale=0.02)
+    dy = _randn(x.shape[0], H, seed=44, dtype=torch.bfloat16)
+    fused_calls = []
+    real = primitives.fp8_swiglu_experts
+    monkeypatch.setattr(layers, "fp8_swiglu_experts", lambda *a: fused_calls.append(1) or real(*a))
+
+    def composed(x, w1, w2, offs):
+        return grouped_linear(layers._FusedSwiGLU.apply(grouped_linear(x, w1, offs)), w2, offs)
+
+    out = {}
+    for name, fn in (("fused", layers.expert_mlp), ("composed", composed)):
+        stage = Stage(
+            "ex", lambda p, i, c, fn=fn: (fn(i[0], p["w1"], p["w2"], offs),), ("e.w1", "e.w2"), "e."
+        )
+        with fp8_training(True):
+            (y,), fwd = S.forward(stage, {"e.w1": w1, "e.w2": w2}, (x,), StageContext())
+            (dx,), work = S.backward_input(fwd, (dy,))
+            grads = S.backward_weight(work)
+        out[name] = (y, dx, grads["e.w1"], grads["e.w2"])
+    assert fused_calls == [1]
+    for got, want, what in zip(out["fused"], out["composed"], ("y", "dx", "dw_gate_up", "dw_down")):
+        assert torch.equal(got, want), what
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from conftest import random_batch, tiny_config
 
 from fmoe import offload, parallel, plan_activations, recipe, runner, sharding
 from fmoe import stage as S
-from fmoe.kernels import fp8_quant
+from fmoe.kernels import fp8_quant, fused
 from fmoe.kernels.fp8_quant import Fp8ActT, quantize_act_t
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import build_mesh
@@ -46,16 +46,24 @@ def fp8_config(**overrides):
 
 
 def cached_kinds(monkeypatch) -> list[str]:
-    """The primitive kinds whose inputs get cached (one entry per quantization) while a test runs."""
+    """The primitive kinds whose inputs get cached (one entry per quantization) while a test runs: an
+    input quantized with its rows by ``quantize_act_t``, or the experts' SwiGLU output by
+    ``swiglu_quant`` (the fused FP8 experts, ``primitives.fp8_swiglu_experts``)."""
     kinds = []
-    real = fp8_quant.quantize_act_t  # fp8_mode imports it at each call
+    real, real_swiglu = fp8_quant.quantize_act_t, fused.swiglu_quant  # imported at each call
 
     def spy(x, offs=None, **kw):
         if kw.get("with_rows"):
             kinds.append("linear" if offs is None else "grouped_linear")
         return real(x, offs, **kw)
 
+    def spy_swiglu(h, offs=None, **kw):
+        if kw.get("with_t"):
+            kinds.append("grouped_linear")
+        return real_swiglu(h, offs, **kw)
+
     monkeypatch.setattr(fp8_quant, "quantize_act_t", spy)
+    monkeypatch.setattr(fused, "swiglu_quant", spy_swiglu)
     return kinds
 
 

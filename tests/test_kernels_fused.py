@@ -81,6 +81,43 @@ def test_swiglu_backward_matches_autograd():
     assert dh.shape == h.shape and _within_bf16_ulp(dh, h64.grad)
 
 
+@pytest.mark.parametrize("inter", [320, 256])  # a partial last group; whole groups
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_with_its_fp8_rows_is_swiglu_and_the_bits_of_quantizing_it(inter, pow2):
+    h = _randn(70, 2 * inter, seed=11, scale=3).bfloat16()
+    a, q = fused.swiglu(h, quantize=True, pow2_scales=pow2)
+    assert torch.equal(a, fused.swiglu(h))  # the same bf16 output as without quantize
+    want = fq.quantize_act(a, pow2_scales=pow2)
+    assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+    assert q.scale.stride() == want.scale.stride()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_backward_with_its_fp8_rows_is_the_gradient_and_the_bits_of_quantizing_it(pow2):
+    h = _randn(70, 2 * 256, seed=12, scale=2).bfloat16()
+    da = _randn(70, 256, seed=13).bfloat16()
+    dh, q = fused.swiglu_backward(h, da, quantize=True, pow2_scales=pow2)
+    assert torch.equal(dh, fused.swiglu_backward(h, da))
+    want = fq.quantize_act(dh, pow2_scales=pow2)
+    # groups 0-1 are the gate half's, 2-3 the up half's: a swap of the halves' scales fails here
+    assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
+    with pytest.raises(ValueError, match="inter must be a multiple of 128"):
+        fused.swiglu_backward(h[:, :320], da[:, :160], quantize=True)
+
+
+def test_the_references_of_the_quantizing_swiglus_are_their_quantizations(monkeypatch):
+    h = _randn(40, 2 * 128, seed=14, scale=2).bfloat16()
+    da = _randn(40, 128, seed=15).bfloat16()
+    a, q = fused.swiglu_reference(h), fq.quantize_act_reference(fused.swiglu_reference(h))
+    dh = fused.swiglu_backward_reference(h, da)
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
+    a2, q2 = fused.swiglu(h, quantize=True)
+    dh2, dq2 = fused.swiglu_backward(h, da, quantize=True)
+    assert torch.equal(a2, a) and _bits_equal(q2.data, q.data) and torch.equal(q2.scale, q.scale)
+    want = fq.quantize_act_reference(dh)
+    assert torch.equal(dh2, dh) and _bits_equal(dq2.data, want.data) and torch.equal(dq2.scale, want.scale)
+
+
 @pytest.mark.parametrize("hidden", [384, 256])
 def test_rmsnorm_matches_reference_and_quant_is_bitwise(hidden):
     x = _randn(77, hidden, seed=6, scale=4).bfloat16()

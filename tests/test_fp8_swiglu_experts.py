@@ -1,0 +1,147 @@
+"""The fused FP8 SwiGLU experts (``primitives.fp8_swiglu_experts``): one Function for
+``grouped_linear(swiglu(grouped_linear(x, gate_up_w)), down_w)`` that hands FP8 operands from the
+kernel that makes the values to the GEMM that reads them. Its output, input gradient and both weight
+gradients are bitwise those of the composition with the fused SwiGLU (deferred or not, inputs cached
+or not, W in FP8 or bf16), it quantizes two activations along rows where the composition quantizes
+four, and its four GEMMs walk one tile map where the composition builds four.
+
+Run on CPU tensors through the kernels' plain-torch references and through the Triton kernels under
+the interpreter; tests/test_cuda.py runs them compiled, at the Qwen3 expert shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fmoe import stage as S
+from fmoe.kernels import _triton, fp8_gemm, fp8_linear, fp8_quant
+from fmoe.stages import layers, primitives
+from fmoe.stages.primitives import GroupedWeightGrad, fp8_training, grouped_linear
+from fmoe.stages.recompute import recompute_outputs
+from fmoe.stages.spec import Stage, StageContext
+
+COUNTS = [300, 0, 190, 278]  # an empty expert; ragged ones; 768 rows (few enough padded tiles to cache)
+
+
+def _use(backend: str, monkeypatch) -> None:
+    """The FP8 kernels' plain-torch references, or the Triton kernels interpreted on the CPU."""
+    if backend == "triton":
+        assert _triton.HAS_TRITON and _triton.interpreting(), (
+            "the test extra installs triton; conftest interprets"
+        )
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", backend)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Row quantizations (their widths) and tile maps (their tile sizes) while a test runs."""
+    seen = {"rows": [], "maps": []}
+    real_rows, real_map = fp8_linear.quantize_act, fp8_gemm.tile_map
+
+    def rows(x, **kw):
+        seen["rows"].append(x.shape[1])
+        return real_rows(x, **kw)
+
+    def maps(offs, rows, tile):
+        seen["maps"].append(tile)
+        return real_map(offs, rows, tile)
+
+    monkeypatch.setattr(fp8_linear, "quantize_act", rows)
+    monkeypatch.setattr(fp8_gemm, "tile_map", maps)
+    return seen
+
+
+def _composed(x, w1, w2, offs):
+    # the composition with the fused SwiGLU (the kernel CUDA runs; on the CPU layers.swiglu is torch's)
+    return grouped_linear(layers._FusedSwiGLU.apply(grouped_linear(x, w1, offs)), w2, offs)
+
+
+def _inputs(hidden=256, inter=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    n, E = sum(COUNTS), len(COUNTS)
+    x = torch.randn(n, hidden, generator=gen).bfloat16()
+    w1 = (torch.randn(E, 2 * inter, hidden, generator=gen) * 0.05).bfloat16()
+    w2 = (torch.randn(E, hidden, inter, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(n, hidden, generator=gen).bfloat16()
+    return x, w1, w2, offs, dy
+
+
+def _run(fn, x, w1, w2, offs, dy, deferred: bool):
+    """(y, dx, dw1, dw2, the W entries' (weight name, kind of x)) of ``fn`` as a stage, or under autograd."""
+    if deferred:
+        stage = Stage("ex", lambda p, i, c: (fn(i[0] * 1, p["w1"], p["w2"], offs),), ("e.w1", "e.w2"), "e.")
+        params = {"e.w1": w1, "e.w2": w2}
+        (y,), fwd = S.forward(stage, params, (x,), StageContext())
+        (dx,), work = S.backward_input(fwd, (dy,))
+        names = {tuple(w.shape): n for n, w in params.items()}  # F's leaves are its own tensors
+        entries = [(names[tuple(w.shape)], type(c.x).__name__, c.fp8) for w, c in work.tape.entries]
+        assert all(isinstance(c, GroupedWeightGrad) for _, c in work.tape.entries)
+        grads = S.backward_weight(work)
+        return y, dx, grads["e.w1"], grads["e.w2"], entries
+    xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+    y = fn(xl * 1, w1l, w2l, offs)  # made in F, as in the stage: cacheable
+    y.backward(dy)
+    return y, xl.grad, w1l.grad, w2l.grad, None
+
+
+# (backend, deferred, cache, fp8_wgrad): every case on the references, two interpreted (slow)
+CASES = [("torch", d, c, f) for d in (True, False) for c in (False, True) for f in (True, False)] + [
+    ("triton", True, False, True),
+    ("triton", True, True, True),
+]
+
+
+@pytest.mark.parametrize("backend,deferred,cache,fp8_wgrad", CASES)
+def test_fused_experts_give_the_bits_of_the_composition(
+    calls, monkeypatch, backend, deferred, cache, fp8_wgrad
+):
+    _use(backend, monkeypatch)
+    x, w1, w2, offs, dy = _inputs()
+    out, counted = {}, {}
+    for name, fn in (("composed", _composed), ("fused", primitives.fp8_swiglu_experts)):
+        calls["rows"].clear(), calls["maps"].clear()
+        with fp8_training(True, expert_wgrad=fp8_wgrad, cache_expert_inputs=cache):
+            out[name] = _run(fn, x, w1, w2, offs, dy, deferred)
+        counted[name] = (list(calls["rows"]), list(calls["maps"]))
+    for got, want, what in zip(out["fused"], out["composed"], ("y", "dx", "dw_gate_up", "dw_down", "W")):
+        assert got == want if what == "W" else torch.equal(got, want), what
+    if deferred:  # B runs down's then up's: W gets them in that order; x and a cached where caching is on
+        kind = "Fp8ActT" if cache and fp8_wgrad else "Tensor"
+        assert out["fused"][4] == [("e.w2", kind, fp8_wgrad), ("e.w1", kind, fp8_wgrad)]
+    # rows quantized by a kernel of their own: dy's (256 wide) and, not cached, x's; SwiGLU and its
+    # backward write a's and the gate/up gradient's FP8 rows themselves, where the composition
+    # quantizes them (a: 128 wide, cached: with its W form; the gate/up gradient: 256)
+    cached = cache and fp8_wgrad
+    assert sorted(counted["fused"][0]) == ([256] if cached else [256, 256])
+    assert sorted(counted["composed"][0]) == ([256, 256] if cached else [128, 256, 256, 256])
+    if backend == "triton":  # the forward / input-gradient GEMMs share one map (the W GEMMs are not these)
+        tile = fp8_gemm.INTERPRET_CONFIG.block_m
+        assert counted["fused"][1].count(tile) == 1 and counted["composed"][1].count(tile) == 4
+
+
+def test_a_map_of_other_tiles_or_rows_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", "triton")
+    x, w1, _, offs, _ = _inputs()
+    w_fp8 = fp8_quant.quantize_weight(w1)
+    rows = fp8_quant.quantize_act(x)
+    good = fp8_gemm.nt_tile_map(offs, x.shape[0])
+    want = fp8_gemm.fp8_gemm_nt(rows, w_fp8.data, w_fp8.scale, offs)
+    assert torch.equal(fp8_gemm.fp8_gemm_nt(rows, w_fp8.data, w_fp8.scale, offs, tiles=good), want)
+    for bad in (fp8_quant.tile_map(offs, x.shape[0], 128), fp8_gemm.nt_tile_map(offs, 2 * x.shape[0])):
+        with pytest.raises(ValueError, match="tiles: a map of"):
+            fp8_gemm.fp8_gemm_nt(rows, w_fp8.data, w_fp8.scale, offs, tiles=bad)
+
+
+def test_the_fused_experts_apply_only_where_both_gemms_are_fp8_and_nothing_recomputes():
+    x, w1, w2, _, _ = _inputs()
+    assert not primitives.fuses_fp8_swiglu_experts(x, w1, w2)  # outside fp8_training
+    with fp8_training(True):
+        assert primitives.fuses_fp8_swiglu_experts(x, w1, w2)
+        # inter 64: the down GEMM's K is not a multiple of 128, it stays bf16
+        assert not primitives.fuses_fp8_swiglu_experts(x, w1[:, :128], w2[:, :, :64])
+        with recompute_outputs():  # selective recomputation remakes SwiGLU's output: the composition
+            assert not primitives.fuses_fp8_swiglu_experts(x, w1, w2)
+            with pytest.raises(ValueError, match="fp8_swiglu_experts: needs both GEMMs in FP8"):
+                primitives.fp8_swiglu_experts(x, w1, w2, torch.tensor([768] * 4, dtype=torch.int32))

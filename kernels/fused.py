@@ -191,9 +191,8 @@ def _quant_outputs(rows: int, cols: int, device, quantize: bool) -> tuple[Tensor
     """The FP8 bits [rows, cols] and column-major scales of a fused kernel's quantized output, or Nones."""
     if not quantize:
         return None, None
-    return torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), _empty_scale(
-        rows, cdiv(cols, GROUP), device
-    )
+    bits = torch.empty(rows, cols, dtype=FP8_DTYPE, device=device)
+    return bits, _empty_scale(rows, cdiv(cols, GROUP), device)
 
 
 def swiglu_quant(

@@ -27,6 +27,10 @@ cache=False)``: o_proj, whose input is a view of the attention's output, which S
 query projection, whose input also feeds ``kv_a_proj_with_mqa`` (576 rows keep it out of FP8, so it
 saves the input in the compute dtype).
 
+The FP8 SwiGLU experts (``primitives.fp8_swiglu_experts``, one Function for two grouped linears)
+cache as those two would: x where ``cached_input`` says, SwiGLU's output where ``caches_made_input``
+says (its cached form then comes from ``swiglu_quant(with_t=True)``, and no bf16 copy is made).
+
 Within one F (``input_scope``, opened by ``defer_weight_grads``) an input read by several linears
 (q, k and v of one normed hidden state; gate and up of a dense MLP) is quantized once and its cached
 form shared, as the compute-dtype tensor was. The scope forgets everything when F ends.
@@ -53,10 +57,10 @@ __all__ = [
     "CachedInput",
     "cached_input",
     "cached_input_bytes",
+    "caches_made_input",
     "cols_from_saved",
     "cols_to_save",
     "fp8_dense_wgrad",
-    "caches_made_input",
     "fp8_expert_wgrad",
     "fp8_swiglu_expert_weights",
     "fp8_training",

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 try:
     import fmoe.kernels  # noqa: F401
 except ImportError:  # a checkout that is not pip-installed: map the package dirs by hand
-    for name, folder in [("fmoe", "fmoe"), ("fmoe.kernels", "kernels")]:
+    for name, folder in [("fmoe", "fmoe"), ("fmoe.kernels", "fmoe/kernels")]:
         mod = types.ModuleType(name)
         mod.__path__ = [str(REPO / folder)]
         sys.modules[name] = mod

@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # the folders pyproject installs as fmoe's packages (benchmarks/ and tests/ are not installed)
-PACKAGE_DIRS = ("fmoe", "stages", "kernels", "schedules", "recipes")
+PACKAGE_DIRS = ("fmoe", "recipes")
 
 
 def runtime_dependencies() -> set[str]:

@@ -1,12 +1,10 @@
-"""stages/, kernels/, schedules/ and recipes/ are importable as fmoe.stages, fmoe.kernels,
-fmoe.schedules and fmoe.recipes - from a normal install, an editable install and an uninstalled
-checkout - and never as top-level packages that would shadow the PyPI packages of those names.
-
-The folders hold no ``__init__.py``: a folder without one is at most a namespace portion, which
-every regular package or module of the same name on ``sys.path`` wins over, wherever it stands.
-So ``python3 -m pytest`` or ``torchrun -m fmoe`` from the checkout's root (both put the root first on
-``sys.path``) import Hugging Face's ``kernels`` (which transformers >= 5.25 needs), not ours.
-``fmoe/stages`` etc. are links to the folders, so an uninstalled checkout imports them too.
+"""fmoe's subpackages live inside fmoe/ (fmoe/stages, fmoe/kernels, fmoe/schedules), so no folder at
+the checkout's root is named like a PyPI package (``kernels``, ``stages``, ``schedules``) that
+``python3 -m pytest`` or ``torchrun -m fmoe`` from the root (both put the root first on ``sys.path``)
+could import in its place. The one exception is recipes/, a data folder (TOML and a launcher, no
+Python, no ``__init__.py``) installed as package data of fmoe.recipes: from the root it is at most an
+empty namespace portion, which every installed ``recipes`` package or module wins over. All four
+import as fmoe.<name> from a normal install, an editable install and an uninstalled checkout.
 """
 
 from __future__ import annotations
@@ -22,7 +20,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("stages", "kernels", "schedules", "recipes")
+FOLDERS = ("stages", "kernels", "schedules", "recipes")  # fmoe.<folder>; the names PyPI may also hold
+INSIDE = ("stages", "kernels", "schedules")  # the Python subpackages: folders of fmoe/
+DATA_FOLDER = "recipes"  # at the root, linked as fmoe/recipes
 # one module of each folder, to show where fmoe.<folder> imports from
 MODULES = {
     "stages": "qwen3_moe",
@@ -85,14 +85,41 @@ def test_the_build_requirement_can_read_the_license_field():
     assert setuptools_req == "setuptools>=77", "SPDX `license = ...` strings need setuptools >= 77"
 
 
-def test_the_top_level_folders_are_no_regular_packages_and_fmoe_links_them():
-    for folder in FOLDERS:
-        assert not (REPO / folder / "__init__.py").exists(), (
-            f"{folder}/__init__.py makes the checkout's {folder}/ a regular package that shadows "
-            f"PyPI's {folder!r} whenever the checkout's root is on sys.path"
+def test_the_subpackages_are_folders_of_fmoe_and_the_root_holds_only_the_recipes_data():
+    for folder in INSIDE:
+        assert not (REPO / folder).exists(), (
+            f"{folder}/ at the root: move it into fmoe/ (it shadows PyPI's {folder!r})"
         )
-        link = REPO / "fmoe" / folder
-        assert link.is_symlink() and link.resolve() == REPO / folder, f"fmoe/{folder} -> ../{folder}"
+        inside = REPO / "fmoe" / folder
+        assert inside.is_dir() and not inside.is_symlink(), f"fmoe/{folder} is the package's own folder"
+    data = REPO / DATA_FOLDER
+    assert not (data / "__init__.py").exists() and not list(data.rglob("*.py")), "recipes/ holds data only"
+    link = REPO / "fmoe" / DATA_FOLDER
+    assert link.is_symlink() and link.resolve() == data, "fmoe/recipes -> ../recipes"
+
+
+def test_from_the_root_the_packages_names_find_nothing_of_fmoe():
+    """From the checkout's root, ``stages``, ``schedules`` and ``kernels`` are not found in the checkout
+    (absent, or another distribution's), and ``recipes`` at most as an empty namespace portion."""
+    probe = (
+        "import importlib.util, json;"
+        f"specs = {{n: importlib.util.find_spec(n) for n in {FOLDERS!r}}};"
+        "print(json.dumps({n: None if s is None else [s.origin, list(s.submodule_search_locations or [])]"
+        " for n, s in specs.items()}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env={"PATH": "/usr/bin:/bin"},
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    for name, spec in json.loads(out).items():
+        if spec is None:
+            continue
+        origin, locations = spec
+        ours = [p for p in locations if Path(p).resolve().is_relative_to(REPO)]
+        if name == DATA_FOLDER:
+            assert origin is None and all(not list(Path(p).glob("*.py")) for p in ours), spec
+        else:
+            assert not ours and not (origin and Path(origin).resolve().is_relative_to(REPO)), (name, spec)
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["normal", "editable"])
@@ -108,7 +135,8 @@ def test_subpackages_map_into_the_fmoe_namespace_and_nothing_else_is_installed(t
         origin = Path(origins[f"fmoe.{folder}"])
         assert origin.is_relative_to(root), origin
         if editable:
-            assert origin.resolve().is_relative_to(REPO / folder), origin
+            own = REPO / (folder if folder == DATA_FOLDER else f"fmoe/{folder}")
+            assert origin.resolve().is_relative_to(own), origin
         else:
             expected = "fmoe/" + folder + (f"/{module}.py" if module else "")
             assert origin.as_posix().endswith(expected), origin
@@ -158,7 +186,7 @@ def test_an_uninstalled_checkout_imports_fmoe_and_its_folders(tmp_path):
     imports its own fmoe.stages, fmoe.kernels and fmoe.schedules (not this environment's install)."""
     copy = tmp_path / "checkout"
     copy.mkdir()
-    for folder in ("fmoe", *FOLDERS):
+    for folder in ("fmoe", DATA_FOLDER):
         shutil.copytree(
             REPO / folder, copy / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
         )
@@ -184,7 +212,7 @@ def test_a_one_letter_module_alias_means_one_module_everywhere():
     import ast
 
     wrong = []
-    for folder in ("fmoe", "stages", "schedules", "kernels", "benchmarks", "tests"):
+    for folder in ("fmoe", "benchmarks", "tests"):
         for path in sorted((REPO / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom | ast.Import):

@@ -2,7 +2,7 @@
 
 What the runtime needs to know about a parameter or a stage is a declared field (``Model.expert_params``,
 ``Stage.role``, a shape's ``decoder.Ones`` / ``Zeros``, a family's ``hub_experts``, ...), never read
-out of its name. This test reads the source of fmoe/, stages/ and schedules/ (the syntax tree, so
+out of its name. This test reads the source of fmoe/, fmoe/stages/ and fmoe/schedules/ (the syntax tree, so
 comments and docstrings do not count) and refuses every string operation on a name-like value:
 ``name.endswith(...)``, ``n.split(...)``, ``".mlp.experts." in name``, ``re.match(..., key)``,
 ``name[: -len(suffix)]``, ... Each operation that is not on a parameter or stage name is listed in
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("fmoe", "stages", "schedules")
+SOURCES = ("fmoe", "fmoe/stages", "fmoe/schedules")
 # string methods that take a string apart; the searching ones (and the strips) only count with a
 # string argument (``names.index(x)`` finds an item of a list; ``key.strip()`` trims whitespace)
 STRING_METHODS = frozenset(
@@ -49,7 +49,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # composes, not a parameter's name) split back to find the parameter's shard
     ("fmoe/train_state.py", "key.partition('/')"): "an optimizer-state key, moment/param",
     # the declared prefix a Stage strips to form the keys its forward sees (spec.Stage.prefix)
-    ("stages/spec.py", "global_name[len(self.prefix):]"): "Stage.prefix, declared, stripped",
+    ("fmoe/stages/spec.py", "global_name[len(self.prefix):]"): "Stage.prefix, declared, stripped",
 }
 
 

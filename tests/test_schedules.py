@@ -21,7 +21,7 @@ from fmoe.schedules.table import (
 )
 from fmoe.schedules.verify import lower, validate
 
-SCHEDULE_DIR = Path(__file__).resolve().parents[1] / "schedules"
+SCHEDULE_DIR = Path(__file__).resolve().parents[1] / "fmoe" / "schedules"
 
 
 def allowed(name: str, pp: int, m: int) -> bool:

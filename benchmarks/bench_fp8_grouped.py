@@ -85,6 +85,17 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def expert_gemms(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of the SwiGLU experts' four NT GEMMs (y = x @ w^T) of one micro-batch: gate/up and down,
+    forward and input gradient."""
+    return {
+        "up_fwd": (2 * inter, hidden),
+        "up_dgrad": (hidden, 2 * inter),
+        "down_fwd": (hidden, inter),
+        "down_dgrad": (inter, hidden),
+    }
+
+
 def _gemms(experts: int, top_k: int, hidden: int, inter: int) -> dict:
     """name -> (offs, a: Fp8Act, b fp8 [E, N, K], b_scale, bf16 a, bf16 b [E, K, N] view)."""
     g = torch.Generator().manual_seed(0)
@@ -94,12 +105,7 @@ def _gemms(experts: int, top_k: int, hidden: int, inter: int) -> dict:
     )
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
     out = {}
-    for name, (n, k) in {
-        "up_fwd": (2 * inter, hidden),
-        "up_dgrad": (hidden, 2 * inter),
-        "down_fwd": (hidden, inter),
-        "down_dgrad": (inter, hidden),
-    }.items():
+    for name, (n, k) in expert_gemms(hidden, inter).items():
         x = torch.randn(rows, k, device="cuda").bfloat16()
         w = (torch.randn(experts, n, k, device="cuda") * 0.02).bfloat16()
         w8 = fq.quantize_weight(w)

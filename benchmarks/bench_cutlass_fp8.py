@@ -9,7 +9,7 @@ schedules: 0 cooperative 128x128, 1 ping-pong 64x128), after checking CUTLASS's 
 float32 reference (ragged experts, empty ones, K = 768 and 1408, a CUDA graph replay).
 
     benchmarks/cutlass/build.sh /tmp/libfmoe_fp8_sm90.so      # nvcc 13 + nvidia-cutlass's headers
-    python3 benchmarks/bench_cutlass_fp8.py --lib /tmp/libfmoe_fp8_sm90.so --out results.json
+    python3 -m benchmarks.bench_cutlass_fp8 --lib /tmp/libfmoe_fp8_sm90.so --out results.json  # repo root
 
 CUDA only (sm_90). The CUTLASS forward reads its activation scales row-major (see the .cu): the
 transposing copy is timed apart (``scale_transpose_ms``), outside the GEMM's time.

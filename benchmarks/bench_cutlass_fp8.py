@@ -20,14 +20,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import time
 from pathlib import Path
 
 import torch
 
 import fmoe.kernels.fp8_gemm as fg
 import fmoe.kernels.fp8_quant as fq
-from benchmarks.bench_fp8_grouped import BF16_REL, FAMILIES, MICROBATCHES, TOKENS, expert_gemms
+from benchmarks.bench_fp8_grouped import (
+    BF16_REL,
+    FAMILIES,
+    MICROBATCHES,
+    TOKENS,
+    expert_gemms,
+    ms,
+    rel,
+    routed_counts,
+)
+from benchmarks.common import write_result
 
 VARIANTS = (0, 1)
 
@@ -86,16 +95,6 @@ class Cutlass:
         if rc != 0:
             raise RuntimeError(f"fmoe_fp8_grouped_gemm_wgrad: status {rc}")
         return out
-
-
-def ms(fn) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def row_major(a: fq.Fp8Act) -> fq.Fp8Act:
@@ -204,17 +203,14 @@ def timing(cut: Cutlass, experts: int, top_k: int, hidden: int, inter: int) -> d
     """ms, TFLOP/s and ratios of each side: the four GEMMs of one micro-batch's routed rows, then the two
     weight gradients of a step's micro-batches merged."""
     gen = torch.Generator().manual_seed(0)
-
-    def routed(rows: int) -> torch.Tensor:
-        draws = torch.multinomial(torch.ones(experts), rows, True, generator=gen)
-        return torch.bincount(draws, minlength=experts)
-
-    counts = routed(TOKENS * top_k).tolist()
+    counts = routed_counts(experts, TOKENS * top_k, gen).tolist()
     res = {}
     for name, (n, k) in expert_gemms(hidden, inter).items():
         res[name] = _time_nt(cut, counts, n, k)
         print(name, res[name], flush=True)
-    merged = ((routed(TOKENS * top_k * MICROBATCHES) + 15) // 16 * 16).tolist()  # _grouped_mm: 16-aligned K
+    merged = (
+        (routed_counts(experts, TOKENS * top_k * MICROBATCHES, gen) + 15) // 16 * 16
+    ).tolist()  # _grouped_mm: 16-aligned K
     for name, (m, n) in {"up_wgrad": (2 * inter, hidden), "down_wgrad": (hidden, inter)}.items():
         res[name] = _time_wgrad(cut, merged, m, n)
         print(name, res[name], flush=True)
@@ -222,22 +218,14 @@ def timing(cut: Cutlass, experts: int, top_k: int, hidden: int, inter: int) -> d
 
 
 def main() -> None:
-    import triton
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lib", required=True, help="libfmoe_fp8_sm90.so from benchmarks/cutlass/build.sh")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write")
     args = p.parse_args()
     cut = Cutlass(args.lib)
     result = {
-        "environment": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "sms": cut.sms,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        },
-        "timing": "triton.testing.do_bench median, warmup 10 ms, rep 50 ms",
+        "sms": cut.sms,
+        "timing": "triton.testing.do_bench median (bench_fp8_grouped.ms)",
         "rel_err_vs_fp32_reference": checks(cut),
     }
     errors = [e for row in result["rel_err_vs_fp32_reference"].values() for e in row.values()]
@@ -252,8 +240,7 @@ def main() -> None:
     for family, shape in FAMILIES.items():
         print(family, flush=True)
         result[family] = timing(cut, *shape)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, echo=False)  # with the environment: GPU, versions, host CPU, date
 
 
 if __name__ == "__main__":

@@ -85,6 +85,18 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error in norm, in float64."""
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def routed_counts(experts: int, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """[experts] int64 rows of each expert when ``rows`` routing slots pick experts uniformly at random
+    (uneven, unaligned groups, as a router's are)."""
+    draws = torch.multinomial(torch.ones(experts), rows, True, generator=generator)
+    return torch.bincount(draws, minlength=experts)
+
+
 def expert_gemms(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
     """(N, K) of the SwiGLU experts' four NT GEMMs (y = x @ w^T) of one micro-batch: gate/up and down,
     forward and input gradient."""
@@ -98,11 +110,8 @@ def expert_gemms(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
 
 def _gemms(experts: int, top_k: int, hidden: int, inter: int) -> dict:
     """name -> (offs, a: Fp8Act, b fp8 [E, N, K], b_scale, bf16 a, bf16 b [E, K, N] view)."""
-    g = torch.Generator().manual_seed(0)
     rows = TOKENS * top_k
-    counts = torch.bincount(
-        torch.multinomial(torch.ones(experts), rows, True, generator=g), minlength=experts
-    )
+    counts = routed_counts(experts, rows, torch.Generator().manual_seed(0))
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
     out = {}
     for name, (n, k) in expert_gemms(hidden, inter).items():
@@ -116,11 +125,7 @@ def _gemms(experts: int, top_k: int, hidden: int, inter: int) -> dict:
 def _wgrads(experts: int, top_k: int, hidden: int, inter: int) -> dict:
     """name -> (dy^T: Fp8ActT, x^T: Fp8ActT, bf16 dy^T [N, rows], bf16 x [rows, K], offs, flop): the
     weight gradients of a step's MICROBATCHES micro-batches merged into one grouped GEMM each."""
-    g = torch.Generator().manual_seed(1)
-    rows = TOKENS * top_k * MICROBATCHES
-    counts = torch.bincount(
-        torch.multinomial(torch.ones(experts), rows, True, generator=g), minlength=experts
-    )
+    counts = routed_counts(experts, TOKENS * top_k * MICROBATCHES, torch.Generator().manual_seed(1))
     counts = (counts + 15) // 16 * 16  # torch._grouped_mm's reduced groups: 16-element aligned sizes
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
     rows = int(counts.sum())
@@ -160,13 +165,13 @@ def run(configs: list[str], families: list[str], path: Path | None) -> dict:
             for n, g in gemms.items():
                 got = fg.fp8_gemm_nt(g[1], g[2], g[3], g[0], config=cfg)
                 want = fg.fp8_gemm_nt_reference(g[1], g[2], g[3], g[0], out_dtype=torch.float32)
-                err = float((got.double() - want.double()).norm() / want.double().norm())
+                err = rel(got, want)
                 t = ms(lambda g=g, cfg=cfg: fg.fp8_gemm_nt(g[1], g[2], g[3], g[0], config=cfg))
                 row[n] = {"ms": t, "tflops": g[6] / t / 1e9, "x_bf16": r["bf16"][n] / t, "rel_err": err}
             for n, (dyt, xt, _, _, _, flop) in wgrads.items():
                 got = fg.fp8_gemm_wgrad(dyt, xt, grouped=True, config=cfg)
                 want = fg.fp8_gemm_wgrad_reference(dyt, xt, out_dtype=torch.float32)
-                err = float((got.double() - want.double()).norm() / want.double().norm())
+                err = rel(got, want)
                 t = ms(lambda dyt=dyt, xt=xt, cfg=cfg: fg.fp8_gemm_wgrad(dyt, xt, grouped=True, config=cfg))
                 row[n] = {"ms": t, "tflops": flop / t / 1e9, "x_bf16": r["bf16"][n] / t, "rel_err": err}
             row["all4_x_bf16"] = sum(r["bf16"][n] for n in gemms) / sum(row[n]["ms"] for n in gemms)

@@ -30,11 +30,15 @@ from benchmarks.bench_fp8_grouped import (
     BF16_REL,
     FAMILIES,
     MICROBATCHES,
+    NT_CHECKS,
     TOKENS,
+    WGRAD_CHECKS,
     expert_gemms,
     ms,
+    nt_case,
     rel,
     routed_counts,
+    wgrad_case,
 )
 from benchmarks.common import write_result
 
@@ -101,32 +105,11 @@ def row_major(a: fq.Fp8Act) -> fq.Fp8Act:
     return fq.Fp8Act(a.data, a.scale.contiguous())
 
 
-def _nt_case(counts, n: int, k: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    offs = torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
-    x = torch.randn(int(offs[-1]), k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(len(counts), n, k, device="cuda", generator=g) * 0.02).bfloat16()
-    return offs, x, w, fq.quantize_act(x), fq.quantize_weight(w)
-
-
-def _wgrad_case(counts, m: int, n: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    offs = torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
-    rows = int(offs[-1])
-    dy = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
-    x = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
-    return offs, dy, x, fq.quantize_act_t(dy, offs), fq.quantize_act_t(x, offs)
-
-
 def checks(cut: Cutlass) -> dict:
     """Relative error against the float32 product of the dequantized operands (Triton's beside it)."""
     out = {}
-    for name, counts, n, k in [
-        ("nt_k768", [0, 1, 127, 128, 129, 0, 300, 7], 256, 768),
-        ("nt_k1408", [5, 0, 64, 65, 200, 0, 0, 1], 384, 1408),
-        ("nt_k2048", [0, 0, 0, 513, 2, 3, 0, 70], 1536, 2048),
-    ]:
-        offs, x, _, a, w8 = _nt_case(counts, n, k, seed=0)
+    for name, counts, n, k in NT_CHECKS:
+        offs, x, _, a, w8 = nt_case(counts, n, k, seed=0)
         ref = fg.fp8_gemm_nt_reference(a, w8.data, w8.scale, offs, out_dtype=torch.float32)
         row = {"triton": rel(fg.fp8_gemm_nt(a, w8.data, w8.scale, offs), ref)}
         for v in VARIANTS:
@@ -134,11 +117,8 @@ def checks(cut: Cutlass) -> dict:
             cut.nt(v, row_major(a), w8.data, w8.scale, offs, y)
             row[f"cutlass{v}"] = rel(y, ref)
         out[name] = row
-    for name, counts, m, n in [
-        ("wgrad_ragged", [0, 1, 127, 128, 129, 0, 300, 700], 256, 384),
-        ("wgrad_ragged2", [64, 0, 0, 1000, 5, 0, 2, 129], 2048, 768),
-    ]:
-        _, _, _, at, bt = _wgrad_case(counts, m, n, seed=7)
+    for name, counts, m, n in WGRAD_CHECKS:
+        _, _, _, at, bt = wgrad_case(counts, m, n, seed=7)
         ref = fg.fp8_gemm_wgrad_reference(at, bt, out_dtype=torch.float32)
         row = {"triton": rel(fg.fp8_gemm_wgrad(at, bt, grouped=True), ref)}
         for v in VARIANTS:
@@ -147,7 +127,7 @@ def checks(cut: Cutlass) -> dict:
             row[f"cutlass{v}"] = rel(dw, ref)  # an empty expert's NaNs left unwritten would show here
         out[name] = row
     # captured in a CUDA graph and replayed into a zeroed output
-    offs, x, _, a, w8 = _nt_case([0, 33, 250, 128, 700, 1, 0, 90], 512, 768, seed=3)
+    offs, x, _, a, w8 = nt_case([0, 33, 250, 128, 700, 1, 0, 90], 512, 768, seed=3)
     ar, y = row_major(a), torch.empty(x.shape[0], 512, dtype=torch.bfloat16, device="cuda")
     cut.nt(1, ar, w8.data, w8.scale, offs, y)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -174,7 +154,7 @@ def _ratios(r: dict, flop: float) -> dict:
 
 
 def _time_nt(cut: Cutlass, counts: list[int], n: int, k: int) -> dict:
-    offs, x, w, a, w8 = _nt_case(counts, n, k, seed=1)
+    offs, x, w, a, w8 = nt_case(counts, n, k, seed=1)
     rows = x.shape[0]
     wt, ar, y = w.transpose(-2, -1), row_major(a), torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
     r = {
@@ -188,7 +168,7 @@ def _time_nt(cut: Cutlass, counts: list[int], n: int, k: int) -> dict:
 
 
 def _time_wgrad(cut: Cutlass, counts: list[int], m: int, n: int) -> dict:
-    offs, dy, x, at, bt = _wgrad_case(counts, m, n, seed=2)
+    offs, dy, x, at, bt = wgrad_case(counts, m, n, seed=2)
     dyt, dw = dy.t().contiguous(), torch.empty(len(counts), m, n, dtype=torch.bfloat16, device="cuda")
     r = {
         "bf16_ms": ms(lambda: torch._grouped_mm(dyt, x, offs=offs)),

@@ -97,6 +97,41 @@ def routed_counts(experts: int, rows: int, generator: torch.Generator) -> torch.
     return torch.bincount(draws, minlength=experts)
 
 
+# ragged experts, empty ones and the K the families use, against which other kernels are checked
+# before they are timed (bench_cutlass_fp8, bench_deepgemm_fp8): (name, rows of each expert, N, K)
+NT_CHECKS = (
+    ("nt_k768", [0, 1, 127, 128, 129, 0, 300, 7], 256, 768),
+    ("nt_k1408", [5, 0, 64, 65, 200, 0, 0, 1], 384, 1408),
+    ("nt_k2048", [0, 0, 0, 513, 2, 3, 0, 70], 1536, 2048),
+)
+# (name, rows of each expert, M, N) of dW[e] = dy_e^T x_e
+WGRAD_CHECKS = (
+    ("wgrad_ragged", [0, 1, 127, 128, 129, 0, 300, 700], 256, 384),
+    ("wgrad_ragged2", [64, 0, 0, 1000, 5, 0, 2, 129], 2048, 768),
+)
+
+
+def nt_case(counts: list[int], n: int, k: int, seed: int):
+    """Ragged expert rows and their weights for ``y = x @ w[e]^T``: (offs [E] int32, x [rows, k] bf16,
+    w [E, n, k] bf16, quantize_act(x), quantize_weight(w)), on the GPU, from ``seed``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    offs = torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
+    x = torch.randn(int(offs[-1]), k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(len(counts), n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    return offs, x, w, fq.quantize_act(x), fq.quantize_weight(w)
+
+
+def wgrad_case(counts: list[int], m: int, n: int, seed: int):
+    """Ragged expert rows for ``dW[e] = dy_e^T x_e``: (offs, dy [rows, m] bf16, x [rows, n] bf16, and
+    both quantized along tokens, quantize_act_t), on the GPU, from ``seed``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    offs = torch.cumsum(torch.as_tensor(counts), 0).to(torch.int32).cuda()
+    rows = int(offs[-1])
+    dy = torch.randn(rows, m, device="cuda", generator=g).bfloat16()
+    x = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    return offs, dy, x, fq.quantize_act_t(dy, offs), fq.quantize_act_t(x, offs)
+
+
 def expert_gemms(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
     """(N, K) of the SwiGLU experts' four NT GEMMs (y = x @ w^T) of one micro-batch: gate/up and down,
     forward and input gradient."""

@@ -149,3 +149,45 @@ def test_the_fp8_gemm_probe_names_an_unknown_config_and_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         probe_fp8_gemm_once.main(["base", "nope"])
     assert e.value.code == 2 and "unknown configs ['nope']" in capsys.readouterr().err
+
+
+def test_deepgemm_benchmark_lays_fmoes_fp8_operands_out_as_deepgemm_reads_them():
+    # what DeepGEMM is timed on must be the very operands fmoe's kernels get, moved, not changed
+    import torch
+
+    from benchmarks.bench_deepgemm_fp8 import dg_rows, dg_wgrad_operand, padded_rows
+    from fmoe.kernels import fp8_quant as fq
+
+    counts = [0, 1, 127, 128, 129, 0, 300]
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    dest, layout, padded = padded_rows(offs, 128)
+    sizes = [(c + 127) // 128 * 128 for c in counts]
+    assert padded == sum(sizes)
+    start = 0
+    for e, (c, size) in enumerate(zip(counts, sizes)):  # expert e's rows first in its aligned block
+        assert layout[start : start + c].eq(e).all() and layout[start + c : start + size].eq(-1).all()
+        start += size
+    assert dest.unique().numel() == dest.numel() and torch.equal(
+        layout[dest].long(), torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    )
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(int(offs[-1]), 256, generator=g).bfloat16()
+    a = fq.quantize_act(x)
+    data, scale = dg_rows(a, dest, padded)
+    assert torch.equal(data[dest].view(torch.uint8), a.data.view(torch.uint8)) and torch.equal(
+        scale[dest], a.scale
+    )
+    pad = layout.eq(-1)
+    assert data[pad].view(torch.uint8).eq(0).all() and scale[pad].eq(1).all()
+    assert scale.stride() == (1, padded)  # MN-major
+
+    t = fq.quantize_act_t(x, offs)
+    flat, sf, ks = dg_wgrad_operand(t)
+    assert ks == t.group_len.tolist() and flat.numel() == 256 * sum(ks)
+    at = 0
+    for s, k in zip(t.group_start.tolist(), ks):  # each expert's [cols, K_e] block, K-major
+        block = flat[at : at + 256 * k].view(256, k)
+        assert torch.equal(block.view(torch.uint8), t.data[:, s : s + k].view(torch.uint8))
+        at += 256 * k
+    assert torch.equal(sf, t.scale[:, : sum(ks) // 128])

@@ -12,7 +12,9 @@ batches merged (``k_grouped_fp8_gemm_nt_contiguous``, each expert's tokens padde
 checked against ``fmoe.kernels.fp8_gemm``'s float32 references with the bound bench_cutlass_fp8 uses.
 FLOP/s count the routed rows only: the padding is the price DeepGEMM's layout asks.
 
-DeepGEMM is not a dependency of fmoe. To build it (the GPU machine needs no network: carry the tree):
+DeepGEMM is not a dependency of fmoe. To build it (the GPU machine needs no network: carry the tree;
+where GitHub is out of reach, ``git archive`` DeepGEMM and its submodules' commits, cutlass f3fde58 and
+fmt 553ec11, from mirrors into the same places), or ``benchmarks/run_h200.sh deepgemm DIR`` there:
 
     git clone --recursive https://github.com/deepseek-ai/DeepGEMM && cd DeepGEMM   # 54e2261 was measured
     cp -r third-party/cutlass/include/cute third-party/cutlass/include/cutlass deep_gemm/include/  # JIT path

@@ -11,6 +11,9 @@
 #                                                # bandwidth, every tile config at a micro-batch's expert rows
 #   OUT=/tmp/out benchmarks/run_h200.sh fp8tiles # Qwen3 layers, 4 and 8: BF16, FP8 on the default tiles and
 #                                                # FP8 on the previous ones (--fp8-tiles 2x4,2x4_pf)
+#   OUT=/tmp/out benchmarks/run_h200.sh deepgemm DIR [FAMILY]  # DeepGEMM beside fmoe's FP8 GEMMs: build
+#                                                # the DeepGEMM checkout DIR (submodules in, no network
+#                                                # there), compile its JIT kernels in parallel, time them
 # Issue 26's per-layer rows: `policies fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16allw_graphs` and `deepseek`.
 # The whole GPU tier: `TRITON_INTERPRET=0 python3 -m pytest -m cuda tests/`.
 set -u
@@ -62,6 +65,17 @@ fp8tiles)  # the FP8 GEMMs' default tiles against the previous ones in a step, B
     timeout 110 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_fp8_graphs \
       --fp8-tiles 2x4,2x4_pf --out "$OUT/fp8tiles_previous_L$L.json" 2>&1 | grep -E "ms/step|Error"
   done
+  ;;
+deepgemm)  # bench_deepgemm_fp8's docstring says how DIR is made; about 60 s to build, 25 s to compile
+  DG=$(cd "${2:?deepgemm DIR}" && pwd); export DG_JIT_CACHE_DIR=/tmp/dgcache PYTHONPATH="$PWD:$DG"
+  (cd "$DG" && DG_USE_LOCAL_VERSION=0 timeout 300 python3 setup.py build_ext --inplace > "$OUT/dg_build.log" 2>&1) || exit 1
+  # DeepGEMM's JIT crashes in std::regex under the older libstdc++ torch's environment loads first
+  export LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
+  for key in $(python3 -m benchmarks.bench_deepgemm_fp8 --list-keys); do
+    timeout 150 python3 -m benchmarks.bench_deepgemm_fp8 --compile-only "$key" > /dev/null 2>&1 &
+  done; wait
+  timeout 300 python3 -m benchmarks.bench_deepgemm_fp8 ${3:+--family $3} --source "$(basename "$DG")" \
+    --out "$OUT/deepgemm.json" 2>&1 | tail -20
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

@@ -12,22 +12,23 @@ batches merged (``k_grouped_fp8_gemm_nt_contiguous``, each expert's tokens padde
 checked against ``fmoe.kernels.fp8_gemm``'s float32 references with the bound bench_cutlass_fp8 uses.
 FLOP/s count the routed rows only: the padding is the price DeepGEMM's layout asks.
 
-DeepGEMM is not a dependency of fmoe. To build it (the GPU machine needs no network: carry the tree;
-where GitHub is out of reach, ``git archive`` DeepGEMM and its submodules' commits, cutlass f3fde58 and
-fmt 553ec11, from mirrors into the same places), or ``benchmarks/run_h200.sh deepgemm DIR`` there:
+DeepGEMM is not a dependency of fmoe. ``benchmarks/run_h200.sh deepgemm DIR`` builds and runs it in one
+device call; DIR is a DeepGEMM checkout with its submodules (54e2261 was measured, with cutlass f3fde58
+and fmt 553ec11; where GitHub is out of reach, ``git archive`` those commits from mirrors into the same
+places), carried to the GPU machine, which has no network. By hand, there:
 
-    git clone --recursive https://github.com/deepseek-ai/DeepGEMM && cd DeepGEMM   # 54e2261 was measured
-    cp -r third-party/cutlass/include/cute third-party/cutlass/include/cutlass deep_gemm/include/  # JIT path
-    DG_USE_LOCAL_VERSION=0 python3 setup.py build_ext --inplace    # where nvcc and torch's CUDA build are
-    PYTHONPATH=.:DeepGEMM python3 -m benchmarks.bench_deepgemm_fp8 --source "DeepGEMM 54e2261" --out F.json
+    cd DIR && cp -r third-party/cutlass/include/cute third-party/cutlass/include/cutlass deep_gemm/include/
+    DG_USE_LOCAL_VERSION=0 python3 setup.py build_ext --inplace        # in DIR: nvcc, torch's CUDA build
+    export LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6 PYTHONPATH=.:DIR     # then in fmoe's root:
+    python3 -m benchmarks.bench_deepgemm_fp8 --source "DeepGEMM 54e2261" --out F.json
 
 Where the process loads an older libstdc++ than the one DeepGEMM was compiled against (on our GPU
 machines: torch's environment), every DeepGEMM call segfaults in ``std::regex`` (its JIT's include
-parser); ``LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`` (the compiler's) mends it. The JIT
-compiles each shape on its first call (tens of seconds with nvcc): ``--compile-only KEY`` for every
-key of ``--list-keys``, in parallel processes sharing ``DG_JIT_CACHE_DIR``, warms the cache first.
-DeepGEMM's weight gradient writes float32 (``D = C + A B^T``, C zeroed inside the timed call), so
-its error against the float32 reference is not the bf16 rounding the bound allows for.
+parser); preloading the compiler's libstdc++, as above, mends it. The JIT compiles each shape on its
+first call (tens of seconds with nvcc): ``--compile-only KEY`` for every key of ``--list-keys``, in
+parallel processes sharing ``DG_JIT_CACHE_DIR``, warms the cache first. DeepGEMM's weight gradient
+writes float32 (``D = C + A B^T``, C zeroed inside the timed call), so its error against the float32
+reference is not the bf16 rounding the bound allows for.
 """
 
 from __future__ import annotations

@@ -68,13 +68,17 @@ fp8tiles)  # the FP8 GEMMs' default tiles against the previous ones in a step, B
   ;;
 deepgemm)  # bench_deepgemm_fp8's docstring says how DIR is made; about 60 s to build, 25 s to compile
   DG=$(cd "${2:?deepgemm DIR}" && pwd); export DG_JIT_CACHE_DIR=/tmp/dgcache PYTHONPATH="$PWD:$DG"
-  (cd "$DG" && DG_USE_LOCAL_VERSION=0 timeout 300 python3 setup.py build_ext --inplace > "$OUT/dg_build.log" 2>&1) || exit 1
+  for h in cute cutlass; do  # the JIT reads CUTLASS's headers under deep_gemm/include (setup.py's build_py)
+    [ -d "$DG/deep_gemm/include/$h" ] || cp -r "$DG/third-party/cutlass/include/$h" "$DG/deep_gemm/include/"
+  done
+  (cd "$DG" && DG_USE_LOCAL_VERSION=0 timeout 150 python3 setup.py build_ext --inplace > "$OUT/dg_build.log" 2>&1) || exit 1
   # DeepGEMM's JIT crashes in std::regex under the older libstdc++ torch's environment loads first
   export LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
   for key in $(python3 -m benchmarks.bench_deepgemm_fp8 --list-keys); do
-    timeout 150 python3 -m benchmarks.bench_deepgemm_fp8 --compile-only "$key" > /dev/null 2>&1 &
+    timeout 100 python3 -m benchmarks.bench_deepgemm_fp8 --compile-only "$key" > /dev/null 2>&1 &
   done; wait
-  timeout 300 python3 -m benchmarks.bench_deepgemm_fp8 ${3:+--family $3} --source "$(basename "$DG")" \
+  source=$(git -C "$DG" rev-parse --short HEAD 2>/dev/null || basename "$DG")
+  timeout 300 python3 -m benchmarks.bench_deepgemm_fp8 ${3:+--family $3} --source "DeepGEMM $source" \
     --out "$OUT/deepgemm.json" 2>&1 | tail -20
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows

@@ -186,8 +186,11 @@ def test_deepgemm_benchmark_lays_fmoes_fp8_operands_out_as_deepgemm_reads_them()
     flat, sf, ks = dg_wgrad_operand(t)
     assert ks == t.group_len.tolist() and flat.numel() == 256 * sum(ks)
     at = 0
-    for s, k in zip(t.group_start.tolist(), ks):  # each expert's [cols, K_e] block, K-major
+    assert sf.shape == (256, sum(ks) // 128) and sf.stride() == (1, 256)  # MN-major
+    for s, k in zip(t.group_start.tolist(), ks):  # each expert's [cols, K_e] block, K-major, and its scales
         block = flat[at : at + 256 * k].view(256, k)
         assert torch.equal(block.view(torch.uint8), t.data[:, s : s + k].view(torch.uint8))
+        assert torch.equal(
+            sf[:, at // 256 // 128 : (at // 256 + k) // 128], t.scale[:, s // 128 : (s + k) // 128]
+        )
         at += 256 * k
-    assert torch.equal(sf, t.scale[:, : sum(ks) // 128])

@@ -77,7 +77,8 @@ deepgemm)  # bench_deepgemm_fp8's docstring says how DIR is made; about 60 s to 
   for key in $(python3 -m benchmarks.bench_deepgemm_fp8 --list-keys); do
     timeout 100 python3 -m benchmarks.bench_deepgemm_fp8 --compile-only "$key" > /dev/null 2>&1 &
   done; wait
-  source=$(git -C "$DG" rev-parse --short HEAD 2>/dev/null || basename "$DG")
+  source=$(basename "$DG")  # its own commit only where DIR is a clone (else git would name an outer repo's)
+  [ -e "$DG/.git" ] && source=$(git -C "$DG" rev-parse --short HEAD)
   timeout 300 python3 -m benchmarks.bench_deepgemm_fp8 ${3:+--family $3} --source "DeepGEMM $source" \
     --out "$OUT/deepgemm.json" 2>&1 | tail -20
   ;;

@@ -130,11 +130,12 @@ class GemmConfig:
 # SM of 4 stages, uncapped): Qwen3 expert forward + input gradient 1.40 -> 1.42x, weight gradients 1.01
 # (1.08 prefetching, the previous Triton 3.6 default) -> 1.11x; DeepSeek-V3-16B 1.29 -> 1.35x and 1.03
 # (1.05) -> 1.07x. In a training step (Qwen3, 2 layers, 8 micro-batches, H100) the grouped GEMMs took
-# 16.8 -> 16.1 ms and the weight gradients 7.8 -> 7.1 ms a step. A production kernel does little better at
-# these shapes: CUTLASS 4.2's Hopper ptr-array grouped kernels with the same block scales (cooperative
-# 128x128 and ping-pong 64x128 tiles, benchmarks/bench_cutlass_fp8.py) ran the weight gradients at
-# 0.96-1.18x these tiles and the forward / input gradients at 0.94-1.15x on an H100
-# (results/issue26_cutlass_grouped_h100.json, which says how far each was checked).
+# 16.8 -> 16.1 ms and the weight gradients 7.8 -> 7.1 ms a step. Against production kernels at these
+# shapes, each checked against the float32 reference: CUTLASS 4.2's Hopper ptr-array grouped kernels with
+# the same block scales ran at 0.92-1.17x these tiles (forward / input gradient) and 0.86-1.09x (weight
+# gradient) on an H200 (benchmarks/bench_cutlass_fp8.py, results/issue26_cutlass_grouped_h200.json);
+# DeepGEMM's forward / input gradients at 1.19-1.28x on an H100, Qwen3 shapes, with each expert's rows
+# padded to 128 (bench_deepgemm_fp8.py, results/issue26_deepgemm_grouped_h100.json).
 BASE_CONFIG = GemmConfig(
     block_m=64, block_n=128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3, max_registers=168
 )

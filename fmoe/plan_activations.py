@@ -117,12 +117,13 @@ def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
 
 
 def stage_activation_bytes(
-    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int
+    family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int, local: bool = True
 ) -> float:
     """Bytes one stage's F keeps alive for its B, for one micro-batch on one rank.
 
     family: the recipe's model family; cfg: its config; moe: whether the stage's layer has routed
-    experts; mb: the micro-batch's shape on this rank."""
+    experts; mb: the micro-batch's shape on this rank; local: the MoE dispatch is the local
+    permutation (ep 1), whose slot order mlp saves (it gathers the rows), not dispatch."""
     kind = stage.role
     e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
     k = getattr(cfg, "num_experts_per_tok", 1)
@@ -130,10 +131,12 @@ def stage_activation_bytes(
         return t * INT64
     if kind == "attn":
         return _attention_bytes(family, cfg, mb, moe, num_experts)
-    if kind in ("dispatch", "combine"):
+    if kind == "dispatch":
+        return 0 if local else t * k * INT64  # the slot order
+    if kind == "combine":
         return t * k * INT64  # the slot order
     if kind == "mlp":
-        return _mlp_bytes(family, cfg, mb, moe)
+        return _mlp_bytes(family, cfg, mb, moe) + (t * k * INT64 if moe and local else 0)
     if kind == "aggregate":
         return t * e * (k * h + k) if moe else 0
     if kind == "head":
@@ -144,10 +147,11 @@ def stage_activation_bytes(
     raise ValueError(f"the memory plan has no activation formula for stage {stage.name!r} (role {kind!r})")
 
 
-def stage_input_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch) -> float:
+def stage_input_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, local: bool = True) -> float:
     """Bytes of the carry into one stage (what "full" recompute keeps per micro-batch): the hidden
     state [T, H] in the compute dtype, the routed rows [k T, H] and their slot weights / ids for the
-    MoE stages between dispatch and aggregate, the token ids (embed) and labels (head)."""
+    MoE stages between dispatch and aggregate (into mlp the tokens [T, H] instead, where dispatch is
+    the local permutation: ``local``), the token ids (embed) and labels (head)."""
     e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
     k = getattr(cfg, "num_experts_per_tok", 1)
     role = stage.role
@@ -156,7 +160,7 @@ def stage_input_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch)
     if role == "head":
         return t * (e * h + INT64)
     routes = t * k * (e + INT64)  # top-k weights and expert ids travel with the hidden state
-    if role == "dispatch":
+    if role == "dispatch" or (role == "mlp" and moe and local):
         return t * e * h + routes
     if role in ("mlp", "combine") and moe:
         return t * k * e * h + routes
@@ -207,7 +211,7 @@ def plan_stage_mode(policy: MemoryPolicy, stage: Stage, ep: int) -> str:
 
 def stage_kept_bytes(
     family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch, num_experts: int, mode: str,
-    fp8: Fp8Caching | None = None,
+    fp8: Fp8Caching | None = None, local: bool = True,
 ) -> tuple[float, float]:  # fmt: skip
     """(bytes one micro-batch's stage keeps from its F to its B, bytes its B adds while it runs)
     under ``mode`` (``plan_stage_mode``). "none": what F saves, nothing added; "full": the carry in,
@@ -215,19 +219,20 @@ def stage_kept_bytes(
     and SwiGLUs' outputs, which B remakes; "offload": the carry in stays (the saved tensors go to
     the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
     per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8 input
-    caching (:func:`fp8_cache_bytes`; not of the regions "selective" recomputes)."""
-    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts)
+    caching (:func:`fp8_cache_bytes`; not of the regions "selective" recomputes); local: the MoE
+    dispatch is the local permutation (ep 1: mlp gathers the experts' rows itself)."""
+    saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts, local)
     cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, fp8)
     if mode == "none":
-        return saved + fp8_cache_bytes(*cache), 0.0
+        return saved + fp8_cache_bytes(*cache, local=local), 0.0
     if mode == "selective":
-        saved += fp8_cache_bytes(*cache, selective=True)
+        saved += fp8_cache_bytes(*cache, selective=True, local=local)
         dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb))
         return saved - dropped, dropped
-    saved += fp8_cache_bytes(*cache)
+    saved += fp8_cache_bytes(*cache, local=local)
     # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
     # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved
-    carry = stage_input_bytes(family, cfg, stage, moe, mb)
+    carry = stage_input_bytes(family, cfg, stage, moe, mb, local)
     return carry, saved
 
 
@@ -262,7 +267,7 @@ def chunk_activation_bytes(
     for i in stage_indices:
         st = model.stages[i]
         mode = plan_stage_mode(policy, st, ep)
-        k, x = stage_kept_bytes(family, cfg, st, i in moe, mb, model.num_experts, mode, fp8)
+        k, x = stage_kept_bytes(family, cfg, st, i in moe, mb, model.num_experts, mode, fp8, local=ep == 1)
         kept, extra = kept + k, max(extra, x)
     return int(kept), int(extra)
 

@@ -66,10 +66,12 @@ class Fp8Input(NamedTuple):
     region: bool = False
 
 
-def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int) -> list[Fp8Input]:
+def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, local: bool = True) -> list[Fp8Input]:
     """The inputs a stage's FP8 linears read that are made inside it and saved by nothing else (per
     ``fmoe.stages``' code): a linear on the stage's input (or a view of it) or called with
-    ``cache=False`` caches nothing (``fmoe.stages.fp8_mode``)."""
+    ``cache=False`` caches nothing (``fmoe.stages.fp8_mode``). local: the MoE layers' dispatch is
+    the local permutation (ep 1), so mlp gathers the experts' rows from the tokens itself; under
+    expert parallelism the received rows are its input."""
     ok = lambda *dims: all(d % 128 == 0 for d in dims)  # noqa: E731
     h, k = cfg.hidden_size, getattr(cfg, "num_experts_per_tok", 1)
     if role == "attn" and family == "deepseek_v2":  # q_proj / q_a_proj share x with kv_a: not cached
@@ -91,8 +93,11 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int) -> list[Fp8Input]
     if not moe:  # gate and up read the stage's input; down the SwiGLU product
         return [Fp8Input(t, cfg.intermediate_size, ok(h, cfg.intermediate_size))]
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
-    # the experts' down reads the SwiGLU output (gate_up reads the stage's input)
+    # the experts' down reads the SwiGLU output; gate_up the rows mlp gathers from the tokens (local:
+    # on the CPU path the gathered copy; the fused FP8 experts on CUDA make none) or its input (ep)
     out = [Fp8Input(t * k, inter, ok(h, inter), expert=True, region=family != "gpt_oss")]
+    if local:
+        out.append(Fp8Input(t * k, h, ok(h, 2 * inter), expert=True))
     shared = (cfg.n_shared_experts or 0) if family == "deepseek_v2" else 0
     if shared:
         out.append(Fp8Input(t, shared * inter, ok(h, shared * inter)))
@@ -100,8 +105,9 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int) -> list[Fp8Input]
 
 
 def _cached(
-    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None, selective: bool
-) -> list[Fp8Input]:
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None, selective: bool,
+    local: bool,
+) -> list[Fp8Input]:  # fmt: skip
     """The inputs of ``fp8_inputs`` the step caches, as ``fp8_mode.cached_input`` decides: FP8, of a
     kind ``fp8`` caches, smaller cached than in the compute dtype (``elem`` bytes an element), and
     not a region's output the stage recomputes (``selective``)."""
@@ -109,7 +115,7 @@ def _cached(
         return []
     return [
         i
-        for i in fp8_inputs(family, cfg, role, moe, tokens)
+        for i in fp8_inputs(family, cfg, role, moe, tokens, local)
         if i.eligible
         and (fp8.experts if i.expert else fp8.dense)
         and _cached_bytes(i, fp8) < i.rows * i.width * elem
@@ -123,12 +129,12 @@ def _cached_bytes(i: Fp8Input, fp8: Fp8Caching) -> int:
 
 def fp8_cache_bytes(
     family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None,
-    selective: bool = False,
+    selective: bool = False, local: bool = True,
 ) -> int:  # fmt: skip
     """What FP8 input caching changes in the bytes one micro-batch's stage of ``role`` saves: each
     cached input's form less its bytes in the compute dtype (``elem`` bytes an element; none where
     another reader keeps it: the form is then extra). tokens: the micro-batch's tokens on the rank;
     selective: the stage runs under selective recomputation, whose regions' outputs are not cached
-    (it keeps nothing of them)."""
-    cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective)
+    (it keeps nothing of them); local: ``fp8_inputs``' (the dispatch is the local permutation)."""
+    cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective, local)
     return sum(_cached_bytes(i, fp8) - (0 if i.kept else i.rows * i.width * elem) for i in cached)

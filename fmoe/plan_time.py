@@ -284,7 +284,7 @@ def policy_time(
         elif mode == "selective":  # its norms' and SwiGLUs' outputs remade from their inputs
             recompute += work.recomputable_bytes / (rates.elementwise_gbps * GIGA)
         elif mode == "offload":
-            offloaded += stage_activation_bytes(family, cfg, st, i in moe, mb, model.num_experts)
+            offloaded += stage_activation_bytes(family, cfg, st, i in moe, mb, model.num_experts, ep == 1)
     # offload: the saved bytes go out while the micro-batch's F runs and come back while its B runs
     # (one copy engine each way); the copy's time beyond the compute it hides behind is the cost
     copy = offloaded / (rates.host_copy_gbps * GIGA)

@@ -524,6 +524,51 @@ def test_fp8_experts_take_the_fused_function_with_the_bits_of_the_composition(mo
         assert torch.equal(got, want), what
 
 
+def test_gathered_fp8_experts_give_the_bits_of_the_experts_on_the_permuted_rows():
+    # Qwen3-30B-A3B's experts (128, top-8, H 2048, I 768) over 4096 tokens: layers.gathered_expert_mlp
+    # (the local dispatch's mlp) reads the rows from the tokens (the compiled gathered quantization),
+    # and its output, the tokens' gradient and both weight gradients - W alone and merged with a
+    # second micro-batch's - are bitwise those of the same experts on permute_rows' copy
+    from fmoe import stage as S
+    from fmoe.kernels import fp8_quant as fq
+    from fmoe.stages import layers, primitives
+    from fmoe.stages.primitives import fp8_training
+    from fmoe.stages.spec import Stage, StageContext
+
+    E, H, inter, T, k = 128, 2048, 768, 4096, 8
+    tokens = _randn(T, H, seed=45, dtype=torch.bfloat16)
+    ids = torch.randint(0, E, (T, k), generator=torch.Generator().manual_seed(46)).cuda()
+    order, offs = layers.expert_order(ids, E)
+    src = (order // k).to(torch.int32)
+    got, want = fq.quantize_act_gathered(tokens, src), fq.quantize_act_reference(tokens[src.long()])
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    w1 = _randn(E, 2 * inter, H, seed=47, dtype=torch.bfloat16, scale=0.02)
+    w2 = _randn(E, H, inter, seed=48, dtype=torch.bfloat16, scale=0.02)
+    dy = _randn(T * k, H, seed=49, dtype=torch.bfloat16)
+
+    def permuted(x, a, b):
+        return layers.expert_mlp(layers.permute_rows(x, order, k), a, b, offs)
+
+    def gathered(x, a, b):
+        return layers.gathered_expert_mlp(x, order, k, a, b, offs)
+
+    out = {}
+    for name, fn in (("gathered", gathered), ("permuted", permuted)):
+        stage = Stage("ex", lambda p, i, c, fn=fn: (fn(i[0], p["w1"], p["w2"]),), ("e.w1", "e.w2"), "e.")
+        with fp8_training(True):
+            (y,), fwd = S.forward(stage, {"e.w1": w1, "e.w2": w2}, (tokens,), StageContext())
+            (dx,), work = S.backward_input(fwd, (dy,))
+            computes = [c for _, c in work.tape.entries]
+            alone = [c() for c in computes]
+            merged = [primitives.merge_grouped_weight_grads([c, c]) for c in computes]
+        out[name] = (y, dx, *alone, *merged)
+        if name == "gathered":
+            assert computes[1].x.shape == tokens.shape and computes[1].x_rows is not None
+    names = ("y", "dx", "dw_down", "dw_gate_up", "merged dw_down", "merged dw_gate_up")
+    for a, b, what in zip(out["gathered"], out["permuted"], names):
+        assert torch.equal(a, b), what
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA graphs: a step captured once and replayed is bitwise the eager step
 

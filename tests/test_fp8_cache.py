@@ -90,7 +90,8 @@ def test_fp8_cache_with_the_triton_kernels_gives_bitwise_the_step_without(monkey
     kinds = cached_kinds(monkeypatch)
     ref = run_step(model, params, batch, 1, policy, cache=False)
     got = run_step(model, params, batch, 1, policy, cache=True)
-    assert not differences(got, ref) and kinds == ["linear", "grouped_linear"]
+    # q/k/v's input; the experts' rows (gathered from the tokens inside mlp) and down's input
+    assert not differences(got, ref) and kinds == ["linear", "grouped_linear", "grouped_linear"]
 
 
 @pytest.mark.parametrize("window", [1, 0])
@@ -107,11 +108,11 @@ def test_fp8_cache_gives_bitwise_the_losses_and_grads_of_no_cache(window, monkey
     assert not differences(got, ref)
     # per micro-batch: q/k/v share one quantized input in each of 2 layers (o reads a view of the
     # attention's output, which SDPA saves: not cached); the dense MLP's down (gate/up read the mlp
-    # stage's input, which F keeps anyway: not cached); the experts' down likewise, and only where
-    # W is not merged (window 1)
+    # stage's input, which F keeps anyway: not cached); the experts' rows (mlp gathers them from the
+    # tokens, its input) and down's input, only where W is not merged (window 1)
     dense = 2 * (2 * 1 + 1)
     assert kinds.count("linear") == dense
-    assert kinds.count("grouped_linear") == (2 if window == 1 else 0)
+    assert kinds.count("grouped_linear") == (2 * 2 if window == 1 else 0)
 
 
 def test_fp8_cache_under_recompute_and_offload_gives_the_bits_of_none_without_cache(monkeypatch):
@@ -133,10 +134,11 @@ def test_fp8_cache_under_recompute_and_offload_gives_the_bits_of_none_without_ca
         assert not differences(run_step(model, params, batch, 2, policy, cache=True), ref), policy
         if policy.recompute == "selective":
             # the norm output q/k/v read and the experts' SwiGLU output are recomputed in B, not
-            # kept at all: only the dense MLP's down input (a plain product) is cached
-            assert kinds == ["linear"] * 2, kinds
+            # kept at all: the dense MLP's down input (a plain product) and the experts' gathered
+            # rows are cached
+            assert kinds == ["linear", "grouped_linear"] * 2, kinds
         else:  # "full": F, then F again before B
-            assert len(kinds) == (2 if policy.recompute == "full" else 1) * 2 * (2 + 1 + 1), kinds
+            assert len(kinds) == (2 if policy.recompute == "full" else 1) * 2 * (2 + 1 + 2), kinds
 
 
 def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
@@ -185,8 +187,8 @@ def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
             model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True, memory=policy
         )
         if cache:  # as test_fp8_cache_gives_bitwise_..., window 1
-            assert kinds.count("linear") == 2 * 3 and kinds.count("grouped_linear") == 2
-    assert len(kinds) == 2 * 4, "nothing cached with fp8_cache = false"
+            assert kinds.count("linear") == 2 * 3 and kinds.count("grouped_linear") == 2 * 2
+    assert len(kinds) == 2 * 5, "nothing cached with fp8_cache = false"
     assert torch.equal(out[True].loss, out[False].loss)
     assert all(torch.equal(out[True].grad_shards[n], g) for n, g in out[False].grad_shards.items())
 
@@ -430,12 +432,16 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     # q/k/v's input [256, 128]: 2 tiles of 128 tokens, 1 byte an element and a float32 scale a tile
     dense = (256 * 128 + 4 * 128 * 2 + 8) - 2 * 256 * 128
     assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching) == dense
-    # the experts' down input [512, 128] over 4 experts: 512 / 128 + 3 = 7 tiles
+    # the experts' down input [512, 128] over 4 experts: 512 / 128 + 3 = 7 tiles; their gathered
+    # rows [512, 128] likewise where mlp gathers them (the local permutation), not where they are
+    # its input (expert parallelism)
     experts = 7 * 128 * 132 + 8 * 4 - 2 * 512 * 128
-    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == 2 * experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, local=False) == experts
     # under selective recomputation the regions' outputs (the norm's, the SwiGLU's) are not cached
     assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching, selective=True) == 0
-    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == 0
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True, local=False) == 0
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", False, 256, 2, caching, selective=True) < 0
     assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
     assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None

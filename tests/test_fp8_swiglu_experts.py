@@ -71,7 +71,9 @@ def _inputs(hidden=256, inter=128, seed=0):
 def _run(fn, x, w1, w2, offs, dy, deferred: bool):
     """(y, dx, dw1, dw2, the W entries' (weight name, kind of x)) of ``fn`` as a stage, or under autograd."""
     if deferred:
-        stage = Stage("ex", lambda p, i, c: (fn(i[0] * 1, p["w1"], p["w2"], offs),), ("e.w1", "e.w2"), "e.")
+        stage = Stage(
+            "ex", lambda p, i, c, fn=fn: (fn(i[0] * 1, p["w1"], p["w2"], offs),), ("e.w1", "e.w2"), "e."
+        )
         params = {"e.w1": w1, "e.w2": w2}
         (y,), fwd = S.forward(stage, params, (x,), StageContext())
         (dx,), work = S.backward_input(fwd, (dy,))
@@ -119,6 +121,74 @@ def test_fused_experts_give_the_bits_of_the_composition(
     if backend == "triton":  # the forward / input-gradient GEMMs share one map (the W GEMMs are not these)
         tile = fp8_gemm.INTERPRET_CONFIG.block_m
         assert counted["fused"][1].count(tile) == 1 and counted["composed"][1].count(tile) == 4
+
+
+def _gathered_inputs(top_k=2, seed=3):
+    """Tokens [T, H] and a routing whose slots, grouped by expert (dispatch's stable order), give
+    COUNTS' ragged experts (an empty one included): (tokens, order [T*k] int64, offs [E] int32)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(COUNTS)
+    ids = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+    ids = ids[torch.randperm(n, generator=gen)]  # each slot's expert, slots in token order
+    order, offs = layers.expert_order(ids.view(-1, top_k), len(COUNTS))
+    tokens = torch.randn(n // top_k, 256, generator=gen).bfloat16()
+    return tokens, order, offs
+
+
+# (backend, deferred, fp8_wgrad, merged): the references everywhere, the interpreted kernels once
+GATHERED_CASES = [("torch", d, f, m) for d in (True, False) for f in (True, False) for m in (False, True)]
+GATHERED_CASES += [("triton", True, True, True)]
+
+
+@pytest.mark.parametrize("backend,deferred,fp8_wgrad,merged", GATHERED_CASES)
+def test_gathered_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
+    monkeypatch, backend, deferred, fp8_wgrad, merged
+):
+    # fp8_swiglu_experts(tokens, order=...) against the same Function on permute_rows(tokens): the
+    # output, the tokens' gradient and both weight gradients bitwise, W run alone or merged with
+    # another micro-batch's (the merged quantization reads the tokens where they lie); its up entry
+    # keeps the tokens and the row index, not a gathered copy
+    _use(backend, monkeypatch)
+    tokens, order, offs = _gathered_inputs()
+    _, w1, w2, _, dy = _inputs()
+    k = order.shape[0] // tokens.shape[0]
+
+    def permuted(x, a, b, o):
+        return primitives.fp8_swiglu_experts(layers.permute_rows(x, order, k), a, b, o)
+
+    def gathered(x, a, b, o):
+        return primitives.fp8_swiglu_experts(x, a, b, o, order=order, top_k=k)
+
+    out = {}
+    for name, fn in (("permuted", permuted), ("gathered", gathered)):
+        with fp8_training(True, expert_wgrad=fp8_wgrad):
+            if not deferred:
+                out[name] = _run(fn, tokens, w1, w2, offs, dy, False)[:4]
+                continue
+            stage = Stage(
+                "ex", lambda p, i, c, fn=fn: (fn(i[0] * 1, p["w1"], p["w2"], offs),), ("e.w1", "e.w2"), "e."
+            )
+            params = {"e.w1": w1, "e.w2": w2}
+            (y,), fwd = S.forward(stage, params, (tokens,), StageContext())
+            (dx,), work = S.backward_input(fwd, (dy,))
+            up = work.tape.entries[1][1]
+            if name == "gathered":
+                assert up.x.shape == tokens.shape and torch.equal(up.x_rows.long(), order // k)
+            if merged:  # this micro-batch's W with another's (the same entries twice): one GEMM
+                grads = [primitives.merge_grouped_weight_grads([c, c]) for _, c in work.tape.entries]
+            else:
+                grads = [c() for _, c in work.tape.entries]
+            out[name] = (y, dx, grads[1], grads[0])
+    for got, want, what in zip(out["gathered"], out["permuted"], ("y", "dx", "dw_gate_up", "dw_down")):
+        assert torch.equal(got, want), what
+    assert out["gathered"][1].shape == tokens.shape
+
+
+def test_gathered_experts_refuse_an_order_of_another_length():
+    tokens, order, offs = _gathered_inputs()
+    _, w1, w2, _, _ = _inputs()
+    with fp8_training(True), pytest.raises(ValueError, match=r"order \(767,\) is not \[tokens \* top_k\]"):
+        primitives.fp8_swiglu_experts(tokens, w1, w2, offs, order=order[:-1], top_k=2)
 
 
 def test_a_map_of_other_tiles_or_rows_is_refused_by_name(monkeypatch):

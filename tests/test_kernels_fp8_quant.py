@@ -93,6 +93,21 @@ def test_quantize_act_t_gathered_equals_quantize_act_t_of_the_gathered_rows(back
     assert torch.equal(got.group_start, want.group_start) and torch.equal(got.group_len, want.group_len)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_quantize_act_gathered_equals_quantize_act_of_the_gathered_rows(backend, monkeypatch):
+    # each token read k = 3 times in a shuffled order (the experts' rows from the tokens), a width
+    # that is not a multiple of 128, a row count that is not a multiple of the program's rows
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", backend)
+    x = _activations(37, 200, seed=30)
+    src_row = (torch.randperm(37 * 3, generator=torch.Generator().manual_seed(31)) // 3).to(torch.int32)
+    got = fq.quantize_act_gathered(x, src_row, pow2_scales=True)
+    want = fq.quantize_act_reference(x[src_row.long()], pow2_scales=True)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    assert got.scale.stride() == want.scale.stride()
+    with pytest.raises(ValueError, match="src_row: expected a"):
+        fq.quantize_act_gathered(x, src_row.long())
+
+
 def test_quantize_act_t_gathered_names_the_bad_input():
     a, b = torch.randn(4, 128), torch.randn(4, 256)
     idx = torch.zeros(4, dtype=torch.int32)

@@ -177,6 +177,7 @@ def _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER:
 @triton.jit
 def _quant_rows_kernel(
     x_ptr,
+    src_row_ptr,
     q_ptr,
     s_ptr,
     M,
@@ -185,17 +186,23 @@ def _quant_rows_kernel(
     stride_qm,
     half,
     PROLOGUE: tl.constexpr,
+    GATHER: tl.constexpr,
     POW2: tl.constexpr,
     EMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """1x128 groups: program (i, kb) quantizes rows [i*BLOCK_R, +BLOCK_R) x columns [kb*128, +128)."""
+    """1x128 groups: program (i, kb) quantizes rows [i*BLOCK_R, +BLOCK_R) x columns [kb*128, +128)
+    of x, or, GATHER, of the rows ``x[src_row[r]]`` (written at r: the gathered copy is never made)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
     rmask = rows < M
     mask = rmask[:, None] & (cols[None, :] < K)
-    v = _load_act((x_ptr + rows.to(tl.int64) * stride_xm)[:, None] + cols[None, :], mask, half, PROLOGUE)
+    if GATHER:
+        src = tl.load(src_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    v = _load_act((x_ptr + src * stride_xm)[:, None] + cols[None, :], mask, half, PROLOGUE)
     s, inv = _scales(tl.max(tl.abs(v), axis=1), POW2)
     bits = _e4m3_bits(v * inv[:, None], EMULATE)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits, mask=mask)
@@ -445,18 +452,42 @@ def quantize_act(x: Tensor, *, pow2_scales: bool = False) -> Fp8Act:
     return _launch_rows(x, x.shape[1], 0, 0, pow2_scales)
 
 
-def _launch_rows(x: Tensor, K: int, half: int, prologue: int, pow2: bool) -> Fp8Act:
-    M = x.shape[0]
+def _launch_rows(
+    x: Tensor, K: int, half: int, prologue: int, pow2: bool, src_row: Tensor | None = None
+) -> Fp8Act:
+    """x's rows, or (``src_row`` [M] int32) the rows ``x[src_row]``, quantized in 1x128 groups."""
+    M = x.shape[0] if src_row is None else src_row.shape[0]
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     s = _empty_scale(M, cdiv(K, GROUP), x.device)
     block_r = ROWS_BLOCK_R
     grid = (cdiv(M, block_r), cdiv(K, GROUP))
     if M > 0 and K > 0:
         _quant_rows_kernel[grid](
-            x, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), half,
-            PROLOGUE=prologue, POW2=pow2, EMULATE=interpreting(), BLOCK_R=block_r, num_warps=ROWS_WARPS,
+            x, s if src_row is None else src_row, q.view(torch.uint8), s, M, K, x.stride(0), q.stride(0), half,
+            PROLOGUE=prologue, GATHER=src_row is not None, POW2=pow2, EMULATE=interpreting(),
+            BLOCK_R=block_r, num_warps=ROWS_WARPS,
         )  # fmt: skip
     return Fp8Act(q, s)
+
+
+def quantize_act_gathered(x: Tensor, src_row: Tensor, *, pow2_scales: bool = False) -> Fp8Act:
+    """``quantize_act(x[src_row])`` without writing the gathered rows: each program reads its rows
+    where they lie. x: [tokens, features] bf16/fp32 (last dim contiguous); src_row: [n] int32, the
+    row of x each output row quantizes (a row may be read many times: a token's k routing slots)
+    -> Fp8Act [n, features]. How the FP8 experts quantize their input straight from the tokens."""
+    _check_2d(x, "x")
+    _check_src_row(src_row, x)
+    if not use_triton(x):
+        return quantize_act_reference(x.index_select(0, src_row), pow2_scales=pow2_scales)
+    return _launch_rows(x, x.shape[1], 0, 0, pow2_scales, src_row)
+
+
+def _check_src_row(src_row: Tensor, x: Tensor) -> None:
+    if src_row.dim() != 1 or src_row.dtype != torch.int32 or src_row.device != x.device:
+        raise ValueError(
+            f"src_row: expected a [n] int32 tensor on {x.device}, got {tuple(src_row.shape)} "
+            f"{src_row.dtype} on {src_row.device}"
+        )
 
 
 def quantize_act_t(

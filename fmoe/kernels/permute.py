@@ -88,6 +88,13 @@ def _raise_out_of_range(expert_ids: torch.Tensor, num_experts: int) -> None:
     )
 
 
+def sum_slot_rows(grad: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The gradient of the tokens from that of their expert-grouped rows (row i was token
+    ``order[i] // top_k``): grad [n = T*top_k, H] -> [T, H], each token's top_k rows summed in
+    slot order (deterministic: a gather then a sum, no atomics)."""
+    return grad.index_select(0, inverse_permutation(order)).view(-1, top_k, grad.shape[-1]).sum(1)
+
+
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     """`slot_of` with `slot_of[order[j]] = j`: where element i went.
 

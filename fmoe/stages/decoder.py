@@ -52,6 +52,7 @@ __all__ = [
     "router_bias_updates",
     "swiglu_expert_shapes",
     "swiglu_experts",
+    "swiglu_gathered_experts",
     "token_embedding",
 ]
 
@@ -118,6 +119,16 @@ def swiglu_experts(cfg: Any, p: Params, x: Tensor, offs: Tensor) -> Tensor:
     return layers.expert_mlp(x, p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"], offs)
 
 
+def swiglu_gathered_experts(
+    cfg: Any, p: Params, x: Tensor, order: Tensor, top_k: int, offs: Tensor
+) -> Tensor:
+    """``MoEDecoder.gathered_experts`` for ``swiglu_expert_shapes``: the tokens x [T,H], gathered
+    into expert-grouped rows by order [T*k] i64 -> [T*k,H] (``layers.gathered_expert_mlp``)."""
+    return layers.gathered_expert_mlp(
+        x, order, top_k, p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"], offs
+    )
+
+
 def rms_norm(x: Tensor, p: Params, name: str, eps: float) -> Tensor:
     """``MoEDecoder.norm`` default: RMSNorm with weight ``{name}.weight``."""
     return layers.rms_norm(x, p[f"{name}.weight"], eps)
@@ -147,6 +158,10 @@ class MoEDecoder:
       router_shapes(cfg) (the bias buffer, when dims has one, included).
     experts(cfg, p, x [n,H] grouped by expert, offs [El] i32 cumulative row ends) -> [n,H], this ep
       rank's experts; expert_shapes(cfg): the stacked [E, ...] tensors (the model's expert_params).
+    gathered_experts(cfg, p, x [T,H] tokens, order [T*k] i64, k, offs) -> [T*k,H]: ``experts`` over
+      ``layers.permute_rows(x, order, k)``, for the local permutation (no expert parallelism), where
+      the family can read the rows from the tokens without the gathered copy (the FP8 experts);
+      None: the mlp stage gathers the rows, then calls ``experts``.
     shared_experts(cfg, p, x [T,H]) -> [T,H] or None (no shared experts); shared_shapes(cfg).
     dense_mlp(cfg, p, x [T,H]) -> [T,H] for the layers not in dims.moe_layers; dense_shapes(cfg).
     norm(x, p, name, eps): the residual norms ("input_layernorm", "post_attention_layernorm" of each
@@ -173,6 +188,7 @@ class MoEDecoder:
     norm: Callable[[Tensor, Params, str, float], Tensor] = rms_norm
     norm_shapes: Callable[[str, int], Shapes] = rms_norm_shapes
     embed: Callable[..., Tensor] = token_embedding
+    gathered_experts: Callable[[Any, Params, Tensor, Tensor, int, Tensor], Tensor] | None = None
     embed_shapes: Callable[[Any], Shapes] | None = None
     embed_inputs: tuple[str, ...] = ("tokens",)
     hub_expert_parts: tuple[tuple[str, tuple[str, ...]], ...] = SWIGLU_HUB_EXPERTS
@@ -315,7 +331,7 @@ class MoEDecoder:
                 Stage(f"layers.{i}.aggregate", stage_fns.dense_aggregate_stage, role="aggregate"),
             ]
         shared = self.shared_experts is not None and bool(self.shared_shapes(cfg))
-        expert_fn = part(stage_fns.expert_stage, self, cfg, shared)
+        expert_fn = part(stage_fns.expert_stage, self, cfg, d, shared)
         return [
             attn,
             Stage(f"layers.{i}.dispatch", part(stage_fns.dispatch_stage, d, shared), role="dispatch"),

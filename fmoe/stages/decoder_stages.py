@@ -14,8 +14,9 @@ its ``Stage.role``:
 ``h1`` is the residual after attention; ``x`` the post-attention-normed tokens the experts read.
 
 Dispatch decides once how the rows travel: with no "ep" group in the context and dropless routing
-(no capacity factor) a local permutation (rows [n,H] every slot grouped by expert, offs [E]);
-otherwise the expert-parallel exchange (``fmoe.stages.moe.ep_dispatch``: rows [n_kept,H] of this
+(no capacity factor) a local permutation (the slots' order grouped by expert and offs [E]; rows
+are the tokens [T,H], which mlp gathers by order, so the FP8 experts never copy them: mlp's output
+rows [n,H] are every slot grouped by expert); otherwise the expert-parallel exchange (``fmoe.stages.moe.ep_dispatch``: rows [n_kept,H] of this
 rank's El = E / ep experts, offs [El], and an ``Exchange`` the combine reverses). Combine reads
 which one from the carry (``ExpertRows.exchange``), never re-deciding it. With shared experts,
 dispatch also carries the token rows x (``ExpertRows.tokens``) and mlp returns h1 + shared(x) as
@@ -111,9 +112,11 @@ class Exchange(NamedTuple):
 class ExpertRows:
     """A MoE layer's carry from dispatch to combine, by name.
 
-    residual: h1 [b,s,H] (after mlp, with shared experts: h1 + shared_experts(x)); rows: the routed
-    rows grouped by expert, [n,H] (local permutation) or [n_kept,H] (this rank's buffer), the
-    experts' inputs before mlp and their outputs after it; weights: w [T,k]; order: [n] int64, the
+    residual: h1 [b,s,H] (after mlp, with shared experts: h1 + shared_experts(x)); rows: the
+    experts' inputs before mlp - the tokens x [T,H] themselves for the local permutation (mlp
+    gathers them by order: ``MoEDecoder.gathered_experts``), this rank's buffer [n_kept,H] grouped
+    by expert under the exchange - and their outputs after it, [n,H] / [n_kept,H] grouped by expert;
+    weights: w [T,k]; order: [n] int64, the
     slots grouped by expert; offs: [El] int32 cumulative row ends (dispatch -> mlp only); tokens:
     x [T,H] for the shared experts (dispatch -> mlp, with shared experts only); exchange: None for
     the local permutation, else what combine's reverse exchange needs.
@@ -194,15 +197,16 @@ def dispatch_stage(
     d: DecoderDims, shared: bool, p: Params, inputs: tuple, ctx: StageContext
 ) -> tuple[Tensor, ...]:
     """Group the T*k routing slots by expert; under expert parallelism (or a capacity), send them
-    to their ranks: ``spec.RoutedTokens`` -> ``ExpertRows`` (packed; see the module docstring)."""
+    to their ranks: ``spec.RoutedTokens`` -> ``ExpertRows`` (packed; see the module docstring).
+    The local permutation hands mlp the tokens and the order, not the rows: mlp gathers them, where
+    the FP8 experts can read them from the tokens without a copy (``expert_stage``)."""
     routed = RoutedTokens(*inputs)
     x, group = routed.tokens, ctx.group("ep")
     tokens = x if shared else None
     if moe_blocks.group_size(group) == 1 and d.capacity_factor is None:
         order, counts = moe_blocks.expert_sort(routed.expert_ids.reshape(-1), d.num_experts)
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        rows = layers.permute_rows(x, order, d.top_k)
-        return ExpertRows(routed.residual, rows, routed.weights, order, offs, tokens).pack()
+        return ExpertRows(routed.residual, x, routed.weights, order, offs, tokens).pack()
     sent = moe_blocks.ep_dispatch(x, routed.expert_ids, d.num_experts, group, d.capacity_factor)
     exchange = Exchange(sent.back, sent.splits)
     return ExpertRows(
@@ -211,10 +215,11 @@ def dispatch_stage(
 
 
 def expert_stage(
-    dec: MoEDecoder, cfg: Any, shared: bool, p: Params, inputs: tuple, ctx: StageContext
+    dec: MoEDecoder, cfg: Any, d: DecoderDims, shared: bool, p: Params, inputs: tuple, ctx: StageContext
 ) -> tuple[Tensor, ...]:
-    """This ep rank's experts over dispatch's ``ExpertRows``: rows [n,H] -> the experts' outputs
-    [n,H]; with shared experts the residual becomes h1 + shared_experts(x)."""
+    """This ep rank's experts over dispatch's ``ExpertRows``: the tokens [T,H] (local permutation,
+    gathered here by order) or the received rows [n_kept,H] -> the experts' outputs, grouped by
+    expert; with shared experts the residual becomes h1 + shared_experts(x)."""
     carry = ExpertRows.unpack(inputs, tokens=shared, offs=True)
     residual = carry.residual
     if shared:
@@ -225,7 +230,12 @@ def expert_stage(
                 f"{name} holds {p[name].shape[0]} experts but dispatch grouped rows for {carry.offs.shape[0]}: "
                 "under expert parallelism pass each rank its shard (fmoe.expert_parallel.shard_params)"
             )
-    y = dec.experts(cfg, p, carry.rows, carry.offs)
+    if carry.exchange is not None:  # this rank's buffer: grouped by expert already
+        y = dec.experts(cfg, p, carry.rows, carry.offs)
+    elif dec.gathered_experts is not None:
+        y = dec.gathered_experts(cfg, p, carry.rows, carry.order, d.top_k, carry.offs)
+    else:
+        y = dec.experts(cfg, p, layers.permute_rows(carry.rows, carry.order, d.top_k), carry.offs)
     return ExpertRows(residual, y, carry.weights, carry.order, exchange=carry.exchange).pack()
 
 

@@ -199,6 +199,7 @@ def dense_shapes(cfg: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
 
 DECODER = decoder.MoEDecoder(
     dims, attention, attention_shapes, route, router_shapes, decoder.swiglu_experts, expert_shapes,
+    gathered_experts=decoder.swiglu_gathered_experts,
     shared_experts=shared_experts, shared_shapes=shared_shapes, dense_mlp=decoder.dense_swiglu,
     dense_shapes=dense_shapes,
 )  # fmt: skip

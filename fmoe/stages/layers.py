@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fmoe.kernels._triton import use_triton
+from fmoe.kernels.permute import sum_slot_rows
 from fmoe.stages.primitives import fp8_swiglu_experts, fuses_fp8_swiglu_experts, grouped_linear, linear
 from fmoe.stages.recompute import recomputable
 
@@ -289,6 +290,21 @@ def expert_mlp(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Te
     return grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)
 
 
+def gathered_expert_mlp(
+    tokens: Tensor, order: Tensor, top_k: int, gate_up_w: Tensor, down_w: Tensor, offs: Tensor
+) -> Tensor:
+    """:func:`expert_mlp` over ``permute_rows(tokens, order, top_k)``: tokens [T, H], order [n = T*k]
+    int64 (dispatch's slots grouped by expert), offs [E] int32 -> [n, H] expert-grouped rows.
+
+    In FP8 with the fused kernels the gathered rows are never written: the experts' Function
+    quantizes its input straight from the tokens and W reads them where they lie
+    (``primitives.fp8_swiglu_experts``); elsewhere the rows are gathered, then ``expert_mlp``.
+    Same values and gradients either way."""
+    if _fused(tokens) and fuses_fp8_swiglu_experts(tokens, gate_up_w, down_w):
+        return fp8_swiglu_experts(tokens, gate_up_w, down_w, offs, order=order, top_k=top_k)
+    return expert_mlp(permute_rows(tokens, order, top_k), gate_up_w, down_w, offs)
+
+
 def dense_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
     """SwiGLU MLP (a dense layer, or a shared expert). x: [..., H] -> [..., H]."""
     return linear(F.silu(linear(x, gate_w)) * linear(x, up_w), down_w)
@@ -330,8 +346,7 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (order,) = ctx.saved_tensors
-        dx = grad.index_select(0, inverse_permutation(order)).view(-1, ctx.top_k, grad.shape[-1]).sum(1)
-        return dx, None, None
+        return sum_slot_rows(grad, order, ctx.top_k), None, None
 
 
 class _UnpermuteRows(torch.autograd.Function):

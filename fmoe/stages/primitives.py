@@ -165,7 +165,9 @@ class GroupedWeightGrad:
     """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
     so that a step can merge the W of several microbatches into one GEMM
     (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``),
-    dy [n, m], offs [E] int32 with offs[-1] = n."""
+    dy [n, m], offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n] int32), x is the tokens
+    [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``: W reads the tokens where they
+    lie (the experts' input, :func:`fp8_swiglu_experts`), so no gathered copy is kept for it."""
 
     x: Tensor | Fp8ActT
     dy: Tensor
@@ -173,9 +175,21 @@ class GroupedWeightGrad:
     num_groups: int
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
     out_dtype: torch.dtype | None = None  # of the gradient; None: dy's
+    x_rows: Tensor | None = None
 
     def __call__(self) -> Tensor:
-        return _grouped_weight_grad(self.x, self.dy, self.offs, self.num_groups, self.fp8, self.out_dtype)
+        if self.fp8 and self.x_rows is not None:
+            from fmoe.kernels.fp8_quant import quantize_act_t_gathered
+
+            zeros = torch.zeros_like(self.x_rows)  # every row from part 0: the tokens
+            x = quantize_act_t_gathered([self.x.contiguous()], zeros, self.x_rows, self.offs)
+        else:
+            x = self.gathered_x()
+        return _grouped_weight_grad(x, self.dy, self.offs, self.num_groups, self.fp8, self.out_dtype)
+
+    def gathered_x(self) -> Tensor | Fp8ActT:
+        """x's [n, k] rows: x itself, or (``x_rows``) the gathered copy, made now."""
+        return self.x if self.x_rows is None else self.x.index_select(0, self.x_rows)
 
 
 def _grouped_weight_grad(
@@ -254,11 +268,11 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     experts = torch.arange(E, device=device)
     dests = []  # [rows_i] int64: where each row of part i goes among the merged rows
     for i, p in enumerate(parts):
-        rows = p.x.shape[0]
+        rows = p.dy.shape[0]
         e = torch.repeat_interleave(experts, counts[i], output_size=rows)
         within = torch.arange(rows, device=device) - (p.offs.to(torch.int64) - counts[i])[e]
         dests.append(expert_start[e] + earlier[i, e] + within)
-    n = sum(p.x.shape[0] for p in parts)
+    n = sum(p.dy.shape[0] for p in parts)
     offs = torch.cumsum(per_expert, 0).to(torch.int32)
 
     if first.fp8:
@@ -271,7 +285,7 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     x = first.x.new_empty(n, first.x.shape[1])
     dy = first.dy.new_empty(n, first.dy.shape[1])
     for p, dest in zip(parts, dests):
-        scatter_rows(p.x.contiguous(), dest, x)
+        scatter_rows(p.gathered_x().contiguous(), dest, x)
         scatter_rows(p.dy.contiguous(), dest, dy)
     return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype)
 
@@ -280,7 +294,8 @@ def _fp8_weight_grad_gathered(
     parts: list[GroupedWeightGrad], dests: list[Tensor], offs: Tensor, n: int
 ) -> Tensor:
     """The merged FP8 expert weight gradient with no copy of the rows: the token-wise quantization
-    the GEMM needs reads each merged row where it lies (the bits equal quantizing the copy).
+    the GEMM needs reads each merged row where it lies (the bits equal quantizing the copy); a
+    part's x kept as tokens (``x_rows``) is read from its tokens.
     dests[i]: [rows_i] int64, the merged row of each row of parts[i]; offs: [E] int32 merged ends;
     n: the merged rows."""
     from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
@@ -288,14 +303,18 @@ def _fp8_weight_grad_gathered(
 
     device = offs.device
     src_part = torch.empty(n, dtype=torch.int32, device=device)
-    src_row = torch.empty(n, dtype=torch.int32, device=device)
-    for i, dest in enumerate(dests):
+    src_row = torch.empty(n, dtype=torch.int32, device=device)  # dy's rows (and x's, without x_rows)
+    x_src_row = src_row
+    if any(p.x_rows is not None for p in parts):
+        x_src_row = torch.empty(n, dtype=torch.int32, device=device)
+    for i, (p, dest) in enumerate(zip(parts, dests)):
+        own = torch.arange(dest.shape[0], dtype=torch.int32, device=device)
         src_part.index_fill_(0, dest, i)
-        src_row.index_copy_(0, dest, torch.arange(dest.shape[0], dtype=torch.int32, device=device))
-    x_t, dy_t = (
-        quantize_act_t_gathered([t.contiguous() for t in tensors], src_part, src_row, offs)
-        for tensors in ([p.x for p in parts], [p.dy for p in parts])
-    )
+        src_row.index_copy_(0, dest, own)
+        if x_src_row is not src_row:
+            x_src_row.index_copy_(0, dest, own if p.x_rows is None else p.x_rows)
+    x_t = quantize_act_t_gathered([p.x.contiguous() for p in parts], src_part, x_src_row, offs)
+    dy_t = quantize_act_t_gathered([p.dy.contiguous() for p in parts], src_part, src_row, offs)
     first = parts[0]
     return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.out_dtype or first.dy.dtype)
 
@@ -484,15 +503,28 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     FP8 rows of the gate/up gradient (the up GEMM's input-gradient operand) beside the bf16 gradient
     W reads; the four GEMMs of F and B walk one tile map. The bits are those of the composition
     (each FP8 operand is the quantization of the same bf16 values), the saved tensors the same, and
-    W gets the same two entries (down's, then up's, as B runs them)."""
+    W gets the same two entries (down's, then up's, as B runs them).
+
+    With ``order`` (gathered), x is the tokens [T, H] and the experts' rows are
+    ``x[order // top_k]``: F quantizes them from the tokens in one pass (no gathered copy), B
+    returns the tokens' gradient (each token's k rows summed, as ``layers.permute_rows``'s backward
+    does), and up's W entry keeps the tokens and the row index (``GroupedWeightGrad.x_rows``)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up_w, down_w, offs, up_fp8, down_fp8, x_cached, cache_a, fp8_wgrad):
+    def forward(
+        ctx, x, gate_up_w, down_w, offs, up_fp8, down_fp8, x_cached, cache_a, fp8_wgrad, order, top_k
+    ):
         from fmoe.kernels import fused
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward, nt_tile_map
+        from fmoe.kernels.fp8_quant import quantize_act_gathered
 
-        tiles = nt_tile_map(offs, x.shape[0])
-        rows = x if x_cached is None else x_cached.rows
+        x_rows = None if order is None else (order // top_k).to(torch.int32)
+        n = x.shape[0] if order is None else order.shape[0]
+        tiles = nt_tile_map(offs, n)
+        if x_rows is not None:
+            rows = quantize_act_gathered(x, x_rows)
+        else:
+            rows = x if x_cached is None else x_cached.rows
         gate_up = fp8_grouped_linear_forward(rows, up_fp8, offs, out_dtype=x.dtype, tiles=tiles)
         if cache_a:  # W reads a's cached form: no bf16 a at all
             a_rows, a_cols = fused.swiglu_quant(gate_up, offs, with_t=True)
@@ -502,10 +534,13 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
             a_saved = (a,)
         y = fp8_grouped_linear_forward(a_rows, down_fp8, offs, out_dtype=x.dtype, tiles=tiles)
         x_saved = (x,) if x_cached is None else cols_to_save(x_cached.cols)
+        if x_rows is not None:
+            x_saved = (x, order, x_rows)
         tile_tensors = (tiles.expert, tiles.row, tiles.group_end, tiles.first_tile, tiles.num_tiles)
         ctx.save_for_backward(offs, gate_up, *tile_tensors, *x_saved, *a_saved)
         ctx.tile_sizes = (tiles.cap, tiles.tile)
         ctx.x_parts, ctx.x_cached, ctx.a_cached = len(x_saved), x_cached is not None, cache_a
+        ctx.gathered, ctx.top_k = x_rows is not None, top_k
         ctx.fp8_wgrad = fp8_wgrad
         ctx.weights, ctx.fp8 = (gate_up_w, down_w), (up_fp8, down_fp8)
         ctx.tapes = (_tape_for(gate_up_w), _tape_for(down_w))  # read in F's thread, as the others do
@@ -521,6 +556,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         tiles = TileMap(*rest[:5], *ctx.tile_sizes)
         x_saved, a_saved = rest[5 : 5 + ctx.x_parts], rest[5 + ctx.x_parts :]
         x = cols_from_saved(tuple(x_saved)) if ctx.x_cached else x_saved[0]
+        order, x_rows = x_saved[1:] if ctx.gathered else (None, None)
         a = cols_from_saved(tuple(a_saved)) if ctx.a_cached else a_saved[0]
         (up_w, down_w), (up_fp8, down_fp8) = ctx.weights, ctx.fp8
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
@@ -538,10 +574,16 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
                 dx = fp8_grouped_linear_input_grad(
                     dgate_up_rows, up_fp8, offs, out_dtype=dy.dtype, tiles=tiles
                 )
+                if order is not None:  # the tokens' gradient: each token's k rows summed
+                    from fmoe.kernels.permute import sum_slot_rows
+
+                    dx = sum_slot_rows(dx, order, ctx.top_k)
             if need_up:
-                compute = GroupedWeightGrad(x, dgate_up, offs, E, fp8=ctx.fp8_wgrad, out_dtype=up_w.dtype)
+                compute = GroupedWeightGrad(
+                    x, dgate_up, offs, E, fp8=ctx.fp8_wgrad, out_dtype=up_w.dtype, x_rows=x_rows
+                )
                 grads[0] = _record_or_compute(ctx.tapes[0], up_w, compute)
-        return dx, grads[0], grads[1], None, None, None, None, None, None
+        return dx, grads[0], grads[1], None, None, None, None, None, None, None, None
 
 
 def _record_or_compute(
@@ -566,13 +608,26 @@ def fuses_fp8_swiglu_experts(x: Tensor, gate_up_w: Tensor, down_w: Tensor) -> bo
     )
 
 
-def fp8_swiglu_experts(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Tensor:
+def fp8_swiglu_experts(
+    x: Tensor,
+    gate_up_w: Tensor,
+    down_w: Tensor,
+    offs: Tensor,
+    *,
+    order: Tensor | None = None,
+    top_k: int = 1,
+) -> Tensor:
     """SwiGLU experts, ``grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)``,
     as one FP8 Function (:class:`_Fp8SwiGLUExperts`) where :func:`fuses_fp8_swiglu_experts` holds.
 
     x: [n, H] expert-grouped rows (last dim contiguous), gate_up_w: [E, 2I, H] (gate rows first),
     down_w: [E, H, I], offs: [E] int32 cumulative end rows -> [n, H] in x's dtype. The weight
-    gradients are deferred and FP8 as ``grouped_linear``'s are; inputs are cached in FP8 as there."""
+    gradients are deferred and FP8 as ``grouped_linear``'s are; inputs are cached in FP8 as there.
+
+    order: [n] int64, then x is the tokens [T, H] (n = T * top_k) and the rows are
+    ``layers.permute_rows(x, order, top_k)``, read from the tokens, never copied: the result and
+    every gradient (x's is the tokens') are the bits of the rows' call. Up's W keeps the tokens (no
+    FP8 cache of them: the [T, H] tokens are smaller than the cached form of their k T rows)."""
     weights = fp8_mode.fp8_swiglu_expert_weights(x, gate_up_w, down_w)
     if weights is None or recomputing():
         raise ValueError(
@@ -580,7 +635,18 @@ def fp8_swiglu_experts(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tenso
             "(fuses_fp8_swiglu_experts says when)"
         )
     fp8_wgrad = fp8_mode.fp8_expert_wgrad()  # else W reads x and a in the compute dtype: no caching
-    x_cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
-    rows, inter = x.shape[0], down_w.shape[-1]
+    if order is None:
+        x_cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
+        rows = x.shape[0]
+    else:
+        if order.dim() != 1 or order.shape[0] != x.shape[0] * top_k:
+            raise ValueError(
+                f"fp8_swiglu_experts: order {tuple(order.shape)} is not [tokens * top_k] = "
+                f"[{x.shape[0]} * {top_k}]"
+            )
+        x_cached, rows = None, order.shape[0]
+    inter = down_w.shape[-1]
     cache_a = fp8_wgrad and fp8_mode.caches_made_input("grouped_linear", rows, inter, x.element_size(), offs)
-    return _Fp8SwiGLUExperts.apply(x, gate_up_w, down_w, offs, *weights, x_cached, cache_a, fp8_wgrad)
+    return _Fp8SwiGLUExperts.apply(
+        x, gate_up_w, down_w, offs, *weights, x_cached, cache_a, fp8_wgrad, order, top_k
+    )

@@ -174,6 +174,7 @@ def dense_shapes(cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
 
 DECODER = decoder.MoEDecoder(
     dims, attention, attention_shapes, router, router_shapes, decoder.swiglu_experts, expert_shapes,
+    gathered_experts=decoder.swiglu_gathered_experts,
     dense_mlp=decoder.dense_swiglu, dense_shapes=dense_shapes,
 )  # fmt: skip
 # the family's functions under their usual names

@@ -86,19 +86,19 @@ deepgemm)  # bench_deepgemm_fp8's docstring says how DIR is made; about 60 s to 
   ;;
 fp8step)  # an FP8 change against the tree BEFORE (default before_tree/, made with `git archive`), Qwen3 at 4
   # and 8 layers in one call (per layer = (8-layer step - 4-layer step) / 4): BF16, FP8 and FP8 with BF16
-  # expert weight gradients after it, FP8 before it, each process's peak memory; then the FP8 GPU tests.
+  # expert weight gradients after it, BF16 and FP8 before it, each process's peak memory; the FP8 GPU tests first.
   # LAYERS="2 4" on an H100 (8 FP8 layers need more than its 80 GB)
   BEFORE=$(cd "${2:-before_tree}" && pwd)
+  timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_fp8_cache_cuda.py \
+    -k "fp8 or quant or gathered or merged or swiglu or cache or permute" 2>&1 | tail -6 | tee "$OUT/cuda_fp8.txt"
   python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before "$BEFORE" >/dev/null 2>&1
   for L in ${LAYERS:-4 8}; do
     timeout 150 python3 -m benchmarks.train_throughput --layers $L $QWEN \
       --sides fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16ew_graphs --out "$OUT/after_L$L.json" 2>&1 | grep -E "ms/step|Error"
     # from a folder of its own, so that neither this checkout's fmoe nor its editable install is seen
-    (cd /tmp && PYTHONPATH=/tmp/before:$BEFORE timeout 90 python3 -m benchmarks.train_throughput --layers $L \
-      $QWEN --sides fmoe_fp8_graphs --out "$OUT/before_L$L.json" 2>&1 | grep -E "ms/step|Error")
+    (cd /tmp && PYTHONPATH=/tmp/before:$BEFORE timeout 110 python3 -m benchmarks.train_throughput --layers $L \
+      $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/before_L$L.json" 2>&1 | grep -E "ms/step|Error")
   done
-  timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_fp8_cache_cuda.py \
-    -k "fp8 or quant or gathered or merged or swiglu or cache or permute" 2>&1 | tail -6 | tee "$OUT/cuda_fp8.txt"
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

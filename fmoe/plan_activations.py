@@ -99,10 +99,12 @@ def _attention_bytes(family: str, cfg, mb: MicroBatch, moe: bool, experts: int) 
     return t * (e * (6 * h + 3 * q + 4 * kvw + 2 * heads + kv + 2) + router)
 
 
-def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
+def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool, local: bool) -> float:
     """Saved bytes of one mlp stage per micro-batch: routed experts' rows (input, gate/up, the
     activation's operands) for k slots a token, shared experts, or the dense MLP; plus the routed
-    output rows the stage's Forwarded keeps until B."""
+    output rows the stage's Forwarded keeps until B - under expert parallelism only: with the local
+    permutation (``local``) they are in slot order, and combine hands aggregate a view of them,
+    whose saved y (its term) they are - and then the slot order mlp saves to gather and put back."""
     e, t, h, k = mb.compute_bytes, mb.tokens, cfg.hidden_size, cfg.num_experts_per_tok
     if not moe:
         return t * e * (h + 4 * cfg.intermediate_size)
@@ -113,7 +115,7 @@ def _mlp_bytes(family: str, cfg, mb: MicroBatch, moe: bool) -> float:
     shared = 0
     if family == "deepseek_v2" and cfg.n_shared_experts:
         shared = e * (h + 4 * cfg.n_shared_experts * cfg.moe_intermediate_size)
-    return t * (routed + shared + k * e * h)
+    return t * (routed + shared + (k * INT64 if local else k * e * h))
 
 
 def stage_activation_bytes(
@@ -123,7 +125,8 @@ def stage_activation_bytes(
 
     family: the recipe's model family; cfg: its config; moe: whether the stage's layer has routed
     experts; mb: the micro-batch's shape on this rank; local: the MoE dispatch is the local
-    permutation (ep 1), whose slot order mlp saves (it gathers the rows), not dispatch."""
+    permutation (ep 1), whose slot order mlp saves (it gathers the rows and puts them back), not
+    dispatch and combine."""
     kind = stage.role
     e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
     k = getattr(cfg, "num_experts_per_tok", 1)
@@ -131,12 +134,10 @@ def stage_activation_bytes(
         return t * INT64
     if kind == "attn":
         return _attention_bytes(family, cfg, mb, moe, num_experts)
-    if kind == "dispatch":
-        return 0 if local else t * k * INT64  # the slot order
-    if kind == "combine":
-        return t * k * INT64  # the slot order
+    if kind in ("dispatch", "combine"):  # the slot order; mlp's where it gathers and puts back
+        return 0 if local else t * k * INT64
     if kind == "mlp":
-        return _mlp_bytes(family, cfg, mb, moe) + (t * k * INT64 if moe and local else 0)
+        return _mlp_bytes(family, cfg, mb, moe, local)
     if kind == "aggregate":
         return t * e * (k * h + k) if moe else 0
     if kind == "head":
@@ -151,7 +152,8 @@ def stage_input_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch,
     """Bytes of the carry into one stage (what "full" recompute keeps per micro-batch): the hidden
     state [T, H] in the compute dtype, the routed rows [k T, H] and their slot weights / ids for the
     MoE stages between dispatch and aggregate (into mlp the tokens [T, H] instead, where dispatch is
-    the local permutation: ``local``), the token ids (embed) and labels (head)."""
+    the local permutation: ``local``, whose combine hands aggregate a view of its input rows), the
+    token ids (embed) and labels (head)."""
     e, t, h = mb.compute_bytes, mb.tokens, cfg.hidden_size
     k = getattr(cfg, "num_experts_per_tok", 1)
     role = stage.role
@@ -164,8 +166,9 @@ def stage_input_bytes(family: str, cfg, stage: Stage, moe: bool, mb: MicroBatch,
         return t * e * h + routes
     if role in ("mlp", "combine") and moe:
         return t * k * e * h + routes
-    if role == "aggregate" and moe:
-        return t * e * h + t * k * e * h + routes  # the residual and the combined rows
+    if role == "aggregate" and moe:  # the residual and the combined rows (local: a view of
+        # combine's input, counted there)
+        return t * e * h + (0 if local else t * k * e * h) + routes
     return t * e * h
 
 

@@ -361,7 +361,7 @@ def test_adamw_compiled_equals_reference_bitwise():
 # permutation
 
 
-def test_expert_sort_permute_and_scatter_compiled_equal_references():
+def test_expert_sort_permute_scatter_and_slot_sum_compiled_equal_references():
     from fmoe.kernels import permute as pm
 
     T, k, E, H = 32768, 8, 128, 2048
@@ -379,6 +379,14 @@ def test_expert_sort_permute_and_scatter_compiled_equal_references():
     dest = torch.randperm(T, generator=_gen(52), device="cuda")
     out = torch.empty_like(x)
     assert torch.equal(pm.scatter_rows(x, dest, out), pm.scatter_rows_reference(x, dest, torch.empty_like(x)))
+    # the permutation's backward in one pass: each token's 8 rows added in float32 in slot order,
+    # rounded to nearest once - bitwise that sum done in torch
+    g = _randn(T * k, H, seed=53, dtype=torch.bfloat16)
+    slots = g.float()[slot_of].view(T, k, H)
+    want = slots[:, 0]
+    for j in range(1, k):
+        want = want + slots[:, j]
+    assert torch.equal(pm.sum_slot_rows(g, order, k), want.bfloat16())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,9 +534,10 @@ def test_fp8_experts_take_the_fused_function_with_the_bits_of_the_composition(mo
 
 def test_gathered_fp8_experts_give_the_bits_of_the_experts_on_the_permuted_rows():
     # Qwen3-30B-A3B's experts (128, top-8, H 2048, I 768) over 4096 tokens: layers.gathered_expert_mlp
-    # (the local dispatch's mlp) reads the rows from the tokens (the compiled gathered quantization),
-    # and its output, the tokens' gradient and both weight gradients - W alone and merged with a
-    # second micro-batch's - are bitwise those of the same experts on permute_rows' copy
+    # (the local dispatch's mlp) reads the rows from the tokens (the compiled gathered quantization)
+    # and stores its outputs in slot order (the compiled GEMM's scattered stores); its output, the
+    # tokens' gradient and both weight gradients - W alone and merged with a second micro-batch's -
+    # are bitwise those of the same experts on permute_rows' copy, put back by unpermute_rows
     from fmoe import stage as S
     from fmoe.kernels import fp8_quant as fq
     from fmoe.stages import layers, primitives
@@ -547,7 +556,8 @@ def test_gathered_fp8_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
     dy = _randn(T * k, H, seed=49, dtype=torch.bfloat16)
 
     def permuted(x, a, b):
-        return layers.expert_mlp(layers.permute_rows(x, order, k), a, b, offs)
+        rows = layers.expert_mlp(layers.permute_rows(x, order, k), a, b, offs)
+        return layers.unpermute_rows(rows, order, k).flatten(0, 1)
 
     def gathered(x, a, b):
         return layers.gathered_expert_mlp(x, order, k, a, b, offs)
@@ -563,7 +573,7 @@ def test_gathered_fp8_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
             merged = [primitives.merge_grouped_weight_grads([c, c]) for c in computes]
         out[name] = (y, dx, *alone, *merged)
         if name == "gathered":
-            assert computes[1].x.shape == tokens.shape and computes[1].x_rows is not None
+            assert computes[1].x_rows is not None and computes[0].dy_rows is not None
     names = ("y", "dx", "dw_down", "dw_gate_up", "merged dw_down", "merged dw_gate_up")
     for a, b, what in zip(out["gathered"], out["permuted"], names):
         assert torch.equal(a, b), what

@@ -144,17 +144,19 @@ GATHERED_CASES += [("triton", True, True, True)]
 def test_gathered_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
     monkeypatch, backend, deferred, fp8_wgrad, merged
 ):
-    # fp8_swiglu_experts(tokens, order=...) against the same Function on permute_rows(tokens): the
-    # output, the tokens' gradient and both weight gradients bitwise, W run alone or merged with
-    # another micro-batch's (the merged quantization reads the tokens where they lie); its up entry
-    # keeps the tokens and the row index, not a gathered copy
+    # fp8_swiglu_experts(tokens, order=...) against the same Function on permute_rows(tokens), its
+    # output put back by unpermute_rows: the slot-ordered output, the tokens' gradient and both
+    # weight gradients bitwise, W run alone or merged with another micro-batch's (the merged
+    # quantization reads the tokens and dy where they lie); its W entries keep the tokens and the
+    # slot-ordered output gradient with row indices, not gathered copies
     _use(backend, monkeypatch)
     tokens, order, offs = _gathered_inputs()
     _, w1, w2, _, dy = _inputs()
     k = order.shape[0] // tokens.shape[0]
 
     def permuted(x, a, b, o):
-        return primitives.fp8_swiglu_experts(layers.permute_rows(x, order, k), a, b, o)
+        rows = primitives.fp8_swiglu_experts(layers.permute_rows(x, order, k), a, b, o)
+        return layers.unpermute_rows(rows, order, k).flatten(0, 1)
 
     def gathered(x, a, b, o):
         return primitives.fp8_swiglu_experts(x, a, b, o, order=order, top_k=k)
@@ -171,9 +173,10 @@ def test_gathered_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
             params = {"e.w1": w1, "e.w2": w2}
             (y,), fwd = S.forward(stage, params, (tokens,), StageContext())
             (dx,), work = S.backward_input(fwd, (dy,))
-            up = work.tape.entries[1][1]
-            if name == "gathered":
+            (_, down), (_, up) = work.tape.entries
+            if name == "gathered":  # W keeps the tokens and the slot-ordered dy, with row indices
                 assert up.x.shape == tokens.shape and torch.equal(up.x_rows.long(), order // k)
+                assert down.dy.data_ptr() == dy.data_ptr() and torch.equal(down.dy_rows.long(), order)
             if merged:  # this micro-batch's W with another's (the same entries twice): one GEMM
                 grads = [primitives.merge_grouped_weight_grads([c, c]) for _, c in work.tape.entries]
             else:

@@ -84,6 +84,26 @@ def test_fp8_grouped_gemm_equals_reference_with_empty_and_unaligned_groups(confi
         assert _rel(got[row], x[row] @ wd[e].t()) < SAME_PRODUCTS_REL
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp8_grouped_gemm_scatters_its_rows_where_out_rows_says(backend, monkeypatch):
+    # out_rows (the experts' outputs put back in token order by the GEMM's stores): row r of the
+    # product lands at out_rows[r], bitwise the product in order then moved; a bad index is named
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", backend)
+    M, N, K, E = 300, 192, 256, 5
+    offs = torch.tensor([0, 70, 70, 233, 300], dtype=torch.int32)
+    a = fq.quantize_act(_randn(M, K, seed=5).bfloat16())
+    w = fq.quantize_weight(_randn(E, N, K, seed=6))
+    out_rows = torch.randperm(M, generator=torch.Generator().manual_seed(7))
+    in_order = fg.fp8_gemm_nt(a, w.data, w.scale, offs)
+    for rows in (out_rows, out_rows.to(torch.int32)):
+        got = fg.fp8_gemm_nt(a, w.data, w.scale, offs, out_rows=rows)
+        assert torch.equal(got[out_rows], in_order)
+    with pytest.raises(ValueError, match="out_rows: expected a"):
+        fg.fp8_gemm_nt(a, w.data, w.scale, offs, out_rows=out_rows[:-1])
+    with pytest.raises(ValueError, match="out_rows: only the grouped GEMM"):
+        fg.fp8_gemm_nt(a, w.data[0], w.scale[0], out_rows=out_rows)
+
+
 def test_fp8_wgrad_gemm_equals_reference_and_empty_expert_is_zero():
     T, N_out, K_in = 300, 192, 160
     offs = torch.tensor([0, 120, 128, 300, 300], dtype=torch.int32)

@@ -230,6 +230,34 @@ def test_scatter_rows_kernel_equals_index_copy(n, width, extra, dest_dtype):
     assert torch.equal(permute.scatter_rows(src, dest.long(), torch.zeros_like(out))[dest.long()], src)
 
 
+def _slot_sum_fp32(grad: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's top_k rows added in float32 in slot order (the kernel's arithmetic), unrounded."""
+    slots = grad.float().index_select(0, permute.inverse_permutation(order)).view(-1, top_k, grad.shape[1])
+    acc = torch.zeros_like(slots[:, 0])
+    for j in range(top_k):
+        acc = acc + slots[:, j]
+    return acc
+
+
+@pytest.mark.parametrize("tokens,width,top_k", [(37, 200, 8), (64, 256, 2), (5, 300, 1)])
+def test_sum_slot_rows_kernel_sums_each_tokens_rows_in_float32(tokens, width, top_k):
+    # the permutation's backward in one pass: each token's top_k rows, read where they lie, added
+    # in float32 in slot order and rounded once; the interpreter rounds float32 -> bf16 toward
+    # zero (a GPU to nearest: tests/test_cuda.py checks its bits), so within one bf16 ulp here
+    g = torch.Generator().manual_seed(tokens)
+    grad = torch.randn(tokens * top_k, width, generator=g).bfloat16()
+    order = torch.randperm(tokens * top_k, generator=g)
+    got = permute.sum_slot_rows_triton(grad, order, top_k)
+    want = _slot_sum_fp32(grad, order, top_k)
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2**-126))) - 7)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, width)
+    assert torch.all((got.float() - want).abs() <= ulp)
+    ref = permute.sum_slot_rows_reference(grad, order, top_k)
+    assert torch.all((ref.float() - want).abs() <= ulp)  # the CPU path: the same sums
+    with pytest.raises(ValueError, match="sum_slot_rows: grad"):
+        permute.sum_slot_rows_triton(grad, order[:-1], top_k)
+
+
 def test_scatter_rows_rejects_mismatched_arguments():
     src, out = torch.zeros(4, 3), torch.zeros(6, 3)
     with pytest.raises(ValueError, match="must share w"):
@@ -290,6 +318,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
              {"src_ptr": "*bf16", "dest_ptr": "*i64", "out_ptr": "*bf16", "n": "i32", "width": "i32",
               "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
              {"BLOCK_R": permute._SCATTER_ROWS, "BLOCK_C": permute._SCATTER_COLS}),
+            (permute._sum_slot_rows_kernel,
+             {"grad_ptr": "*bf16", "row_of_ptr": "*i64", "out_ptr": "*bf16", "T": "i32", "width": "i32",
+              "TOPK": "constexpr", "BLOCK_T": "constexpr", "BLOCK_C": "constexpr"},
+             {"TOPK": 8, "BLOCK_T": permute._SUM_TOKENS, "BLOCK_C": permute._SUM_COLS}),
         ]
         for fn, signature, constexprs in kernels:
             src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
@@ -303,10 +335,10 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter does not lower anything; this compiles the real kernels (histogram, scan,
-    # sort, gather, row scatter) down to an sm_90 cubin with the ptxas bundled in triton, no GPU needed.
+    # sort, gather, row scatter, slot-row sum) down to an sm_90 cubin with the ptxas bundled in triton, no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 8" in proc.stdout
+    assert "compiled 10" in proc.stdout

@@ -190,9 +190,6 @@ def _saved_bytes_per_stage(recipe_name: str) -> list[tuple[str, int, float]]:
         planned = plan_activations.stage_activation_bytes(
             recipe.model_family, cfg, stage, i in moe, mb, model.num_experts
         )
-        if stage.role == "mlp" and i in moe:
-            # the routed output rows the mlp's Forwarded keeps as its outputs: not a saved tensor
-            planned -= mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * cfg.hidden_size
         out.append((stage.name, stage.role, sum(saved.values()), planned))
     return out
 

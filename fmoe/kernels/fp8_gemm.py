@@ -203,6 +203,7 @@ def _nt_kernel(
     tile_expert_ptr,
     tile_row_ptr,
     group_end_ptr,
+    out_row_ptr,
     M,
     N,
     K,
@@ -217,6 +218,7 @@ def _nt_kernel(
     stride_sbn,
     stride_sbk,
     GROUPED: tl.constexpr,
+    SCATTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,7 +228,9 @@ def _nt_kernel(
     WS: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """C = A @ B^T with A row-scaled (1x128) and B block-scaled (128x128); grouped over rows."""
+    """C = A @ B^T with A row-scaled (1x128) and B block-scaled (128x128); grouped over rows.
+    SCATTER: row r of the product is stored at row ``out_row[r]`` of C (the experts' outputs put
+    back in token order by the GEMM's own stores: no gathered copy)."""
     for tile_id in tl.range(
         tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS
     ):
@@ -275,7 +279,11 @@ def _nt_kernel(
                 sb = tl.load(sb_ptrs + ki * stride_sbk)
                 acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
         mask = (rows[:, None] < row_end) & (cols[None, :] < N)
-        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+        if SCATTER:
+            dest = tl.load(out_row_ptr + rows, mask=rows < row_end, other=0).to(tl.int64)
+        else:
+            dest = rows.to(tl.int64)
+        c_ptrs = c_ptr + dest[:, None] * stride_cm + cols[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -498,6 +506,7 @@ def fp8_gemm_nt(
     backend: str | None = None,
     config: GemmConfig | None = None,
     tiles: TileMap | None = None,
+    out_rows: Tensor | None = None,
 ) -> Tensor:
     """C = A @ B^T, block-scaled FP8 in, FP32 accumulation, ``out_dtype`` out.
 
@@ -508,6 +517,9 @@ def fp8_gemm_nt(
     tiles:   grouped only, the map of ``offs`` the Triton kernel walks, from :func:`nt_tile_map`
              (built here when None): GEMMs over the same rows - an expert MLP's forward and input
              gradient, up and down - share one
+    out_rows: grouped only, [M] int64 / int32, a permutation of 0..M-1 (offs[-1] = M): row r of the
+             product is returned at row ``out_rows[r]`` (the experts' outputs back in token order,
+             written there by the GEMM itself)
     returns: [M, N] ``out_dtype``
     """
     from fmoe.kernels.fp8_quant import check_offs
@@ -518,9 +530,12 @@ def fp8_gemm_nt(
     M, K = a.data.shape
     N = b.shape[-2]
     grouped = offs is not None
+    if out_rows is not None:
+        _check_out_rows(out_rows, offs, M, a.data.device)
     which = _backend(backend, a.data, b, out_dtype, grouped)
     if which == "torch":
-        return fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
+        out = fp8_gemm_nt_reference(a, b, b_scale, offs, out_dtype=out_dtype)
+        return out if out_rows is None else torch.empty_like(out).index_copy_(0, out_rows.long(), out)
     if which == "cublas":  # M, N, K > 0 (cublas_supports)
         return cublas_gemm_nt(a, b, b_scale, out_dtype=out_dtype)
     out = torch.empty(M, N, dtype=out_dtype, device=a.data.device)
@@ -544,13 +559,27 @@ def fp8_gemm_nt(
     num_tiles = walk[3] * cdiv(N, cfg.block_n)
     programs = max(1, min(num_tiles, cfg.programs_per_sm * num_sms(a.data.device)))
     _nt_kernel[(programs,)](
-        a_desc, b_desc, out, a.scale, sb, walk[0], walk[1], walk[2],
+        a_desc, b_desc, out, a.scale, sb, walk[0], walk[1], walk[2], walk[0] if out_rows is None else out_rows,
         M, N, K, E, walk[3], cdiv(N, cfg.block_n), cdiv(K, GROUP), out.stride(0), a.scale.stride(0), a.scale.stride(1),
         sb.stride(0), sb.stride(1), sb.stride(2),
-        GROUPED=grouped, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
+        GROUPED=grouped, SCATTER=out_rows is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, FLATTEN=cfg.flatten, WS=cfg.warp_specialize, PREFETCH=cfg.prefetch_scales, **_launch_options(cfg),
     )  # fmt: skip
     return out
+
+
+def _check_out_rows(out_rows: Tensor, offs: Tensor | None, M: int, device: torch.device) -> None:
+    if offs is None:
+        raise ValueError("out_rows: only the grouped GEMM (offs given) scatters its rows")
+    if (
+        out_rows.shape != (M,)
+        or out_rows.dtype not in (torch.int32, torch.int64)
+        or out_rows.device != device
+    ):
+        raise ValueError(
+            f"out_rows: expected a [{M}] int32 / int64 tensor on {device}, got {tuple(out_rows.shape)} "
+            f"{out_rows.dtype} on {out_rows.device}"
+        )
 
 
 def nt_tile_map(offs: Tensor, rows: int, config: GemmConfig | None = None) -> TileMap:

@@ -108,12 +108,22 @@ def fp8_grouped_linear_forward(
     out_dtype: torch.dtype = torch.bfloat16,
     pow2_scales: bool = False,
     tiles: TileMap | None = None,
+    out_rows: Tensor | None = None,
 ) -> Tensor:
     """y[rows of e] = x[rows of e] @ w[e]^T. x: [tokens, in] expert-grouped, w_fp8 of [experts, out, in],
     offs: [experts] int32 cumulative end offsets -> y [tokens, out]. tiles: ``nt_tile_map(offs, tokens)``,
-    to share one map between the GEMMs over the same rows (None: built here)."""
+    to share one map between the GEMMs over the same rows (None: built here); out_rows: [tokens]
+    int64 / int32, where each row of y goes (``fp8_gemm_nt``'s; None: in x's order)."""
     _check_weight(w_fp8, grouped=True)
-    return fp8_gemm_nt(_rows(x, pow2_scales), w_fp8.data, w_fp8.scale, offs, out_dtype=out_dtype, tiles=tiles)
+    return fp8_gemm_nt(
+        _rows(x, pow2_scales),
+        w_fp8.data,
+        w_fp8.scale,
+        offs,
+        out_dtype=out_dtype,
+        tiles=tiles,
+        out_rows=out_rows,
+    )
 
 
 def fp8_grouped_linear_input_grad(

@@ -50,6 +50,9 @@ __all__ = [
     "scatter_rows",
     "scatter_rows_reference",
     "scatter_rows_triton",
+    "sum_slot_rows",
+    "sum_slot_rows_reference",
+    "sum_slot_rows_triton",
     "unpermute_tokens",
 ]
 
@@ -91,7 +94,18 @@ def _raise_out_of_range(expert_ids: torch.Tensor, num_experts: int) -> None:
 def sum_slot_rows(grad: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """The gradient of the tokens from that of their expert-grouped rows (row i was token
     ``order[i] // top_k``): grad [n = T*top_k, H] -> [T, H], each token's top_k rows summed in
-    slot order (deterministic: a gather then a sum, no atomics)."""
+    slot order in float32, rounded once (deterministic: no atomics). CUDA tensors take one Triton
+    pass that reads each row where it lies (:func:`sum_slot_rows_triton`); the rest the gather
+    and sum of :func:`sum_slot_rows_reference`."""
+    from fmoe.kernels._triton import use_triton
+
+    if grad.is_cuda and use_triton(grad):
+        return sum_slot_rows_triton(grad, order, top_k)
+    return sum_slot_rows_reference(grad, order, top_k)
+
+
+def sum_slot_rows_reference(grad: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """:func:`sum_slot_rows` in plain torch: the rows gathered into slot order, then summed."""
     return grad.index_select(0, inverse_permutation(order)).view(-1, top_k, grad.shape[-1]).sum(1)
 
 
@@ -440,6 +454,58 @@ if HAS_TRITON:
         mask = row_ok[:, None] & (cols[None, :] < width)
         tile = tl.load(src_ptr + rows.to(tl.int64)[:, None] * width + cols[None, :], mask=mask)
         tl.store(out_ptr + dest[:, None] * width + cols[None, :], tile, mask=mask)
+
+    @triton.jit
+    def _sum_slot_rows_kernel(
+        grad_ptr,
+        row_of_ptr,
+        out_ptr,
+        T,
+        width,
+        TOPK: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        tok_ok = toks < T
+        mask = tok_ok[:, None] & (cols[None, :] < width)
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # slot order: the reference's summation order
+            row = tl.load(row_of_ptr + toks.to(tl.int64) * TOPK + j, mask=tok_ok, other=0).to(tl.int64)
+            acc += tl.load(grad_ptr + row[:, None] * width + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(
+            out_ptr + toks.to(tl.int64)[:, None] * width + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+
+
+# Tokens per program x columns per program of the slot-row sum
+_SUM_TOKENS = 16
+_SUM_COLS = 256
+
+
+def sum_slot_rows_triton(grad: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The Triton kernel of :func:`sum_slot_rows` (CUDA, or CPU under ``TRITON_INTERPRET=1``): each
+    program sums its tokens' top_k rows, read where they lie, in float32 in slot order. grad: [n, w]
+    contiguous, order: [n] int64 permutation, n a multiple of top_k."""
+    n, width = grad.shape
+    if not grad.is_contiguous() or order.shape != (n,) or n % top_k:
+        raise ValueError(
+            f"sum_slot_rows: grad {tuple(grad.shape)} (contiguous: {grad.is_contiguous()}) and order "
+            f"{tuple(order.shape)} must have n = tokens * top_k ({top_k}) rows"
+        )
+    T = n // top_k
+    out = grad.new_empty(T, width)
+    if T and width:
+        grid = (triton.cdiv(T, _SUM_TOKENS), triton.cdiv(width, _SUM_COLS))
+        _sum_slot_rows_kernel[grid](
+            grad, inverse_permutation(order), out, T, width, top_k, _SUM_TOKENS, _SUM_COLS
+        )
+    return out
 
 
 def scatter_rows_reference(src: torch.Tensor, dest: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,8 @@ def swiglu_gathered_experts(
     cfg: Any, p: Params, x: Tensor, order: Tensor, top_k: int, offs: Tensor
 ) -> Tensor:
     """``MoEDecoder.gathered_experts`` for ``swiglu_expert_shapes``: the tokens x [T,H], gathered
-    into expert-grouped rows by order [T*k] i64 -> [T*k,H] (``layers.gathered_expert_mlp``)."""
+    into expert-grouped rows by order [T*k] i64 -> [T*k,H] in token-slot order
+    (``layers.gathered_expert_mlp``)."""
     return layers.gathered_expert_mlp(
         x, order, top_k, p["mlp.experts.gate_up_proj"], p["mlp.experts.down_proj"], offs
     )
@@ -158,10 +159,11 @@ class MoEDecoder:
       router_shapes(cfg) (the bias buffer, when dims has one, included).
     experts(cfg, p, x [n,H] grouped by expert, offs [El] i32 cumulative row ends) -> [n,H], this ep
       rank's experts; expert_shapes(cfg): the stacked [E, ...] tensors (the model's expert_params).
-    gathered_experts(cfg, p, x [T,H] tokens, order [T*k] i64, k, offs) -> [T*k,H]: ``experts`` over
-      ``layers.permute_rows(x, order, k)``, for the local permutation (no expert parallelism), where
-      the family can read the rows from the tokens without the gathered copy (the FP8 experts);
-      None: the mlp stage gathers the rows, then calls ``experts``.
+    gathered_experts(cfg, p, x [T,H] tokens, order [T*k] i64, k, offs) -> [T*k,H] in token-slot
+      order: ``layers.unpermute_rows(experts(layers.permute_rows(x, order, k)), order, k)``, flat,
+      for the local permutation (no expert parallelism), where the family can read the rows from
+      the tokens and write its outputs in slot order without the gathered copies (the FP8
+      experts); None: the mlp stage gathers the rows, calls ``experts`` and puts the rows back.
     shared_experts(cfg, p, x [T,H]) -> [T,H] or None (no shared experts); shared_shapes(cfg).
     dense_mlp(cfg, p, x [T,H]) -> [T,H] for the layers not in dims.moe_layers; dense_shapes(cfg).
     norm(x, p, name, eps): the residual norms ("input_layernorm", "post_attention_layernorm" of each

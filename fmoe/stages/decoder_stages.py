@@ -15,8 +15,8 @@ its ``Stage.role``:
 
 Dispatch decides once how the rows travel: with no "ep" group in the context and dropless routing
 (no capacity factor) a local permutation (the slots' order grouped by expert and offs [E]; rows
-are the tokens [T,H], which mlp gathers by order, so the FP8 experts never copy them: mlp's output
-rows [n,H] are every slot grouped by expert); otherwise the expert-parallel exchange (``fmoe.stages.moe.ep_dispatch``: rows [n_kept,H] of this
+are the tokens [T,H], which mlp gathers by order, and mlp's outputs [n,H] come back in token-slot
+order, so the FP8 experts copy neither way); otherwise the expert-parallel exchange (``fmoe.stages.moe.ep_dispatch``: rows [n_kept,H] of this
 rank's El = E / ep experts, offs [El], and an ``Exchange`` the combine reverses). Combine reads
 which one from the carry (``ExpertRows.exchange``), never re-deciding it. With shared experts,
 dispatch also carries the token rows x (``ExpertRows.tokens``) and mlp returns h1 + shared(x) as
@@ -115,7 +115,8 @@ class ExpertRows:
     residual: h1 [b,s,H] (after mlp, with shared experts: h1 + shared_experts(x)); rows: the
     experts' inputs before mlp - the tokens x [T,H] themselves for the local permutation (mlp
     gathers them by order: ``MoEDecoder.gathered_experts``), this rank's buffer [n_kept,H] grouped
-    by expert under the exchange - and their outputs after it, [n,H] / [n_kept,H] grouped by expert;
+    by expert under the exchange - and their outputs after it: [n,H] in token-slot order (local;
+    row t*k + j is token t's j-th expert's), [n_kept,H] grouped by expert (exchange);
     weights: w [T,k]; order: [n] int64, the
     slots grouped by expert; offs: [El] int32 cumulative row ends (dispatch -> mlp only); tokens:
     x [T,H] for the shared experts (dispatch -> mlp, with shared experts only); exchange: None for
@@ -218,8 +219,9 @@ def expert_stage(
     dec: MoEDecoder, cfg: Any, d: DecoderDims, shared: bool, p: Params, inputs: tuple, ctx: StageContext
 ) -> tuple[Tensor, ...]:
     """This ep rank's experts over dispatch's ``ExpertRows``: the tokens [T,H] (local permutation,
-    gathered here by order) or the received rows [n_kept,H] -> the experts' outputs, grouped by
-    expert; with shared experts the residual becomes h1 + shared_experts(x)."""
+    gathered here by order) -> the experts' outputs [T*k,H] in token-slot order, or the received
+    rows [n_kept,H] -> their outputs grouped by expert; with shared experts the residual becomes
+    h1 + shared_experts(x)."""
     carry = ExpertRows.unpack(inputs, tokens=shared, offs=True)
     residual = carry.residual
     if shared:
@@ -232,19 +234,21 @@ def expert_stage(
             )
     if carry.exchange is not None:  # this rank's buffer: grouped by expert already
         y = dec.experts(cfg, p, carry.rows, carry.offs)
-    elif dec.gathered_experts is not None:
+    elif dec.gathered_experts is not None:  # the tokens in, the outputs in slot order
         y = dec.gathered_experts(cfg, p, carry.rows, carry.order, d.top_k, carry.offs)
     else:
-        y = dec.experts(cfg, p, layers.permute_rows(carry.rows, carry.order, d.top_k), carry.offs)
+        rows = dec.experts(cfg, p, layers.permute_rows(carry.rows, carry.order, d.top_k), carry.offs)
+        y = layers.unpermute_rows(rows, carry.order, d.top_k).flatten(0, 1)
     return ExpertRows(residual, y, carry.weights, carry.order, exchange=carry.exchange).pack()
 
 
 def combine_stage(d: DecoderDims, p: Params, inputs: tuple, ctx: StageContext) -> tuple[Tensor, ...]:
     """Back to token order: ``ExpertRows`` -> (h1, y [T,k,H], w), by the way dispatch sent the
-    rows (the local permutation, or the reverse exchange; dropped slots give y = 0)."""
+    rows (the local permutation: mlp put them back in slot order already; or the reverse exchange;
+    dropped slots give y = 0)."""
     carry = ExpertRows.unpack(inputs, tokens=False, offs=False)
     if carry.exchange is None:
-        y = layers.unpermute_rows(carry.rows, carry.order, d.top_k)
+        y = carry.rows.view(-1, d.top_k, carry.rows.shape[-1])
     else:
         back, splits = carry.exchange
         y = moe_blocks.ep_combine(carry.rows, carry.order, back, splits, d.top_k, ctx.group("ep"))

@@ -293,16 +293,19 @@ def expert_mlp(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Te
 def gathered_expert_mlp(
     tokens: Tensor, order: Tensor, top_k: int, gate_up_w: Tensor, down_w: Tensor, offs: Tensor
 ) -> Tensor:
-    """:func:`expert_mlp` over ``permute_rows(tokens, order, top_k)``: tokens [T, H], order [n = T*k]
-    int64 (dispatch's slots grouped by expert), offs [E] int32 -> [n, H] expert-grouped rows.
+    """:func:`expert_mlp` over ``permute_rows(tokens, order, top_k)``, its output put back in token
+    order: tokens [T, H], order [n = T*k] int64 (dispatch's slots grouped by expert), offs [E]
+    int32 -> [n, H], row ``order[i]`` the output of expert row i (``unpermute_rows``, flat).
 
-    In FP8 with the fused kernels the gathered rows are never written: the experts' Function
-    quantizes its input straight from the tokens and W reads them where they lie
-    (``primitives.fp8_swiglu_experts``); elsewhere the rows are gathered, then ``expert_mlp``.
-    Same values and gradients either way."""
+    In FP8 with the fused kernels neither gathered copy is written: the experts' Function
+    quantizes its input straight from the tokens, its down GEMM stores each row at its slot, and W
+    reads the tokens and the output gradient where they lie (``primitives.fp8_swiglu_experts``);
+    elsewhere the rows are gathered, ``expert_mlp`` runs, and its rows are put back. Same values and
+    gradients either way."""
     if _fused(tokens) and fuses_fp8_swiglu_experts(tokens, gate_up_w, down_w):
         return fp8_swiglu_experts(tokens, gate_up_w, down_w, offs, order=order, top_k=top_k)
-    return expert_mlp(permute_rows(tokens, order, top_k), gate_up_w, down_w, offs)
+    y = expert_mlp(permute_rows(tokens, order, top_k), gate_up_w, down_w, offs)
+    return unpermute_rows(y, order, top_k).flatten(0, 1)
 
 
 def dense_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:

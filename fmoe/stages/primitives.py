@@ -166,8 +166,10 @@ class GroupedWeightGrad:
     so that a step can merge the W of several microbatches into one GEMM
     (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``),
     dy [n, m], offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n] int32), x is the tokens
-    [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``: W reads the tokens where they
-    lie (the experts' input, :func:`fp8_swiglu_experts`), so no gathered copy is kept for it."""
+    [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``; with ``dy_rows`` ([n] int32),
+    dy is the output gradient in token-slot order and row i is ``dy[dy_rows[i]]``. W then reads
+    them where they lie (the experts of the local dispatch, :func:`fp8_swiglu_experts`): no
+    gathered copy is kept for it."""
 
     x: Tensor | Fp8ActT
     dy: Tensor
@@ -176,31 +178,47 @@ class GroupedWeightGrad:
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
     out_dtype: torch.dtype | None = None  # of the gradient; None: dy's
     x_rows: Tensor | None = None
+    dy_rows: Tensor | None = None
 
     def __call__(self) -> Tensor:
-        if self.fp8 and self.x_rows is not None:
+        x, dy = self._operand(self.x, self.x_rows), self._operand(self.dy, self.dy_rows)
+        return _grouped_weight_grad(
+            x, dy, self.offs, self.num_groups, self.fp8, self.out_dtype or self.dy.dtype
+        )
+
+    def _operand(self, t: Tensor | Fp8ActT, rows: Tensor | None) -> Tensor | Fp8ActT:
+        """An operand's [n, *] rows as the GEMM reads them: t itself, or gathered by ``rows``
+        (FP8: quantized along tokens straight from t; else the gathered copy, made now)."""
+        if rows is None:
+            return t
+        if self.fp8:
             from fmoe.kernels.fp8_quant import quantize_act_t_gathered
 
-            zeros = torch.zeros_like(self.x_rows)  # every row from part 0: the tokens
-            x = quantize_act_t_gathered([self.x.contiguous()], zeros, self.x_rows, self.offs)
-        else:
-            x = self.gathered_x()
-        return _grouped_weight_grad(x, self.dy, self.offs, self.num_groups, self.fp8, self.out_dtype)
+            return quantize_act_t_gathered([t.contiguous()], torch.zeros_like(rows), rows, self.offs)
+        return t.index_select(0, rows)
 
     def gathered_x(self) -> Tensor | Fp8ActT:
-        """x's [n, k] rows: x itself, or (``x_rows``) the gathered copy, made now."""
+        """x's [n, k] rows in the compute dtype: x itself, or (``x_rows``) the gathered copy."""
         return self.x if self.x_rows is None else self.x.index_select(0, self.x_rows)
+
+    def gathered_dy(self) -> Tensor:
+        """dy's [n, m] rows: dy itself, or (``dy_rows``) the gathered copy."""
+        return self.dy if self.dy_rows is None else self.dy.index_select(0, self.dy_rows)
 
 
 def _grouped_weight_grad(
-    x: Tensor | Fp8ActT, dy: Tensor, offs: Tensor, num_groups: int, fp8: bool, out_dtype: torch.dtype | None
+    x: Tensor | Fp8ActT,
+    dy: Tensor | Fp8ActT,
+    offs: Tensor,
+    num_groups: int,
+    fp8: bool,
+    out_dtype: torch.dtype,
 ) -> Tensor:
     if fp8:
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_weight_grad
 
-        return fp8_grouped_linear_weight_grad(x, dy, offs, out_dtype=out_dtype or dy.dtype)
-    g = grouped_mm_weight_grad(x, dy, offs, num_groups)
-    return g if out_dtype is None else g.to(out_dtype)
+        return fp8_grouped_linear_weight_grad(x, dy, offs, out_dtype=out_dtype)
+    return grouped_mm_weight_grad(x, dy, offs, num_groups).to(out_dtype)
 
 
 @dataclass(frozen=True)
@@ -286,8 +304,8 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     dy = first.dy.new_empty(n, first.dy.shape[1])
     for p, dest in zip(parts, dests):
         scatter_rows(p.gathered_x().contiguous(), dest, x)
-        scatter_rows(p.dy.contiguous(), dest, dy)
-    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype)
+        scatter_rows(p.gathered_dy().contiguous(), dest, dy)
+    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype or first.dy.dtype)
 
 
 def _fp8_weight_grad_gathered(
@@ -303,18 +321,15 @@ def _fp8_weight_grad_gathered(
 
     device = offs.device
     src_part = torch.empty(n, dtype=torch.int32, device=device)
-    src_row = torch.empty(n, dtype=torch.int32, device=device)  # dy's rows (and x's, without x_rows)
-    x_src_row = src_row
-    if any(p.x_rows is not None for p in parts):
-        x_src_row = torch.empty(n, dtype=torch.int32, device=device)
+    x_src_row = torch.empty(n, dtype=torch.int32, device=device)
+    dy_src_row = torch.empty(n, dtype=torch.int32, device=device)
     for i, (p, dest) in enumerate(zip(parts, dests)):
         own = torch.arange(dest.shape[0], dtype=torch.int32, device=device)
         src_part.index_fill_(0, dest, i)
-        src_row.index_copy_(0, dest, own)
-        if x_src_row is not src_row:
-            x_src_row.index_copy_(0, dest, own if p.x_rows is None else p.x_rows)
+        x_src_row.index_copy_(0, dest, own if p.x_rows is None else p.x_rows)
+        dy_src_row.index_copy_(0, dest, own if p.dy_rows is None else p.dy_rows)
     x_t = quantize_act_t_gathered([p.x.contiguous() for p in parts], src_part, x_src_row, offs)
-    dy_t = quantize_act_t_gathered([p.dy.contiguous() for p in parts], src_part, src_row, offs)
+    dy_t = quantize_act_t_gathered([p.dy.contiguous() for p in parts], src_part, dy_src_row, offs)
     first = parts[0]
     return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.out_dtype or first.dy.dtype)
 
@@ -505,10 +520,13 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     (each FP8 operand is the quantization of the same bf16 values), the saved tensors the same, and
     W gets the same two entries (down's, then up's, as B runs them).
 
-    With ``order`` (gathered), x is the tokens [T, H] and the experts' rows are
-    ``x[order // top_k]``: F quantizes them from the tokens in one pass (no gathered copy), B
-    returns the tokens' gradient (each token's k rows summed, as ``layers.permute_rows``'s backward
-    does), and up's W entry keeps the tokens and the row index (``GroupedWeightGrad.x_rows``)."""
+    With ``order`` (gathered), x is the tokens [T, H], the experts' rows are ``x[order // top_k]``
+    and the output is in token-slot order, y[order[i]] = row i (``layers.unpermute_rows``' layout,
+    flat): F quantizes the rows from the tokens in one pass and the down GEMM stores each output row
+    at its slot (no gathered copy either way); B quantizes dy's rows from the slot-ordered gradient
+    and returns the tokens' gradient (each token's k rows summed, as ``layers.permute_rows``'s
+    backward does); the W entries keep the tokens and dy as they are, with row indices
+    (``GroupedWeightGrad.x_rows`` / ``dy_rows``)."""
 
     @staticmethod
     def forward(
@@ -519,6 +537,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         from fmoe.kernels.fp8_quant import quantize_act_gathered
 
         x_rows = None if order is None else (order // top_k).to(torch.int32)
+        slot_rows = None if order is None else order.to(torch.int32)
         n = x.shape[0] if order is None else order.shape[0]
         tiles = nt_tile_map(offs, n)
         if x_rows is not None:
@@ -532,10 +551,10 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         else:
             a, a_rows = fused.swiglu(gate_up, quantize=True)
             a_saved = (a,)
-        y = fp8_grouped_linear_forward(a_rows, down_fp8, offs, out_dtype=x.dtype, tiles=tiles)
+        y = fp8_grouped_linear_forward(a_rows, down_fp8, offs, out_dtype=x.dtype, tiles=tiles, out_rows=order)
         x_saved = (x,) if x_cached is None else cols_to_save(x_cached.cols)
         if x_rows is not None:
-            x_saved = (x, order, x_rows)
+            x_saved = (x, order, x_rows, slot_rows)
         tile_tensors = (tiles.expert, tiles.row, tiles.group_end, tiles.first_tile, tiles.num_tiles)
         ctx.save_for_backward(offs, gate_up, *tile_tensors, *x_saved, *a_saved)
         ctx.tile_sizes = (tiles.cap, tiles.tile)
@@ -556,18 +575,26 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         tiles = TileMap(*rest[:5], *ctx.tile_sizes)
         x_saved, a_saved = rest[5 : 5 + ctx.x_parts], rest[5 + ctx.x_parts :]
         x = cols_from_saved(tuple(x_saved)) if ctx.x_cached else x_saved[0]
-        order, x_rows = x_saved[1:] if ctx.gathered else (None, None)
+        order, x_rows, slot_rows = x_saved[1:] if ctx.gathered else (None, None, None)
         a = cols_from_saved(tuple(a_saved)) if ctx.a_cached else a_saved[0]
         (up_w, down_w), (up_fp8, down_fp8) = ctx.weights, ctx.fp8
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
         E = up_w.shape[0]
         grads = [None, None]  # gate_up_w's, down_w's
         if need_down:
-            compute = GroupedWeightGrad(a, dy, offs, E, fp8=ctx.fp8_wgrad, out_dtype=down_w.dtype)
+            compute = GroupedWeightGrad(
+                a, dy, offs, E, fp8=ctx.fp8_wgrad, out_dtype=down_w.dtype, dy_rows=slot_rows
+            )
             grads[1] = _record_or_compute(ctx.tapes[1], down_w, compute)
         dx = None
         if need_x or need_up:
-            da = fp8_grouped_linear_input_grad(dy, down_fp8, offs, out_dtype=dy.dtype, tiles=tiles)
+            if slot_rows is not None:  # dy's rows in expert order, quantized from the slots
+                from fmoe.kernels.fp8_quant import quantize_act_gathered
+
+                dy_rows = quantize_act_gathered(dy.contiguous(), slot_rows)
+            else:
+                dy_rows = dy
+            da = fp8_grouped_linear_input_grad(dy_rows, down_fp8, offs, out_dtype=dy.dtype, tiles=tiles)
             dgate_up, dgate_up_rows = fused.swiglu_backward(gate_up, da, quantize=True)
             del da
             if need_x:
@@ -624,10 +651,12 @@ def fp8_swiglu_experts(
     down_w: [E, H, I], offs: [E] int32 cumulative end rows -> [n, H] in x's dtype. The weight
     gradients are deferred and FP8 as ``grouped_linear``'s are; inputs are cached in FP8 as there.
 
-    order: [n] int64, then x is the tokens [T, H] (n = T * top_k) and the rows are
-    ``layers.permute_rows(x, order, top_k)``, read from the tokens, never copied: the result and
-    every gradient (x's is the tokens') are the bits of the rows' call. Up's W keeps the tokens (no
-    FP8 cache of them: the [T, H] tokens are smaller than the cached form of their k T rows)."""
+    order: [n] int64, then x is the tokens [T, H] (n = T * top_k), the rows are
+    ``layers.permute_rows(x, order, top_k)``, read from the tokens, never copied, and the result is
+    in token-slot order, ``layers.unpermute_rows(rows' result, order, top_k)`` flat to [n, H]: its
+    bits and every gradient's (x's is the tokens') are those of that composition. Up's W keeps the
+    tokens (no FP8 cache of them: the [T, H] tokens are smaller than the cached form of their k T
+    rows), down's the slot-ordered output gradient."""
     weights = fp8_mode.fp8_swiglu_expert_weights(x, gate_up_w, down_w)
     if weights is None or recomputing():
         raise ValueError(

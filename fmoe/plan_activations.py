@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fmoe import pipeline
 from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
-from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes
+from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes, mlp_copies_rows
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -227,24 +227,28 @@ def stage_kept_bytes(
     saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts, local)
     cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, fp8)
     if mode == "none":
-        return saved + fp8_cache_bytes(*cache, local=local), 0.0
+        return saved + fp8_cache_bytes(*cache, local=local, device=mb.device), 0.0
     if mode == "selective":
-        saved += fp8_cache_bytes(*cache, selective=True, local=local)
+        saved += fp8_cache_bytes(*cache, selective=True, local=local, device=mb.device)
         dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb))
         return saved - dropped, dropped
-    saved += fp8_cache_bytes(*cache, local=local)
+    saved += fp8_cache_bytes(*cache, local=local, device=mb.device)
     # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
     # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved
     carry = stage_input_bytes(family, cfg, stage, moe, mb, local)
     return carry, saved
 
 
-def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch) -> float:
+def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch, copies_rows: bool = True) -> float:
     """What a pp = 1 step keeps per micro-batch and MoE layer for the expert weight GEMMs it merges
     over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
-    gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H])."""
+    gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H]); gate/up's input is the [T, H]
+    tokens instead where mlp makes no gathered copy of its rows (``copies_rows`` False: the fused
+    FP8 experts, whose W reads the tokens where they lie, ``plan_fp8.mlp_copies_rows``)."""
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
-    return mb.tokens * cfg.num_experts_per_tok * mb.compute_bytes * (2 * cfg.hidden_size + 3 * inter)
+    k, h = cfg.num_experts_per_tok, cfg.hidden_size
+    x_rows = k if copies_rows else 1
+    return mb.tokens * mb.compute_bytes * (x_rows * h + k * (h + 3 * inter))
 
 
 def moe_stages(model: Model) -> set[int]:
@@ -342,6 +346,19 @@ def local_step_peaks(
     return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
 
 
+def _copies_rows(
+    family: str, cfg, mb: MicroBatch, policy: MemoryPolicy, ep: int, fp8: Fp8Caching | None
+) -> bool:
+    """``plan_fp8.mlp_copies_rows`` for a step: FP8 known on only with its caching (``fp8`` not None;
+    else the copy is assumed, which overstates), selective where it covers mlp."""
+    if fp8 is None:
+        return True
+    selective = policy.recompute == "selective" and (
+        not policy.recompute_roles or "mlp" in policy.recompute_roles
+    )
+    return mlp_copies_rows(family, cfg, ep == 1, mb.device, selective)
+
+
 def rank_activation_peaks(
     family: str, cfg, model: Model, table: Schedule | None, rank: int, mb: MicroBatch,
     grad_bytes: Mapping[str, int], microbatches: int, policy: MemoryPolicy | None = None, ep: int = 1,
@@ -370,7 +387,8 @@ def rank_activation_peaks(
     return local_step_peaks(
         kept,
         backward_transient_bytes(family, cfg, model, every, mb) + extra,
-        moe_layers * int(expert_weight_grad_bytes(family, cfg, mb)),
+        moe_layers
+        * int(expert_weight_grad_bytes(family, cfg, mb, _copies_rows(family, cfg, mb, policy, ep, fp8))),
         sum(b for n, b in grad_bytes.items() if n not in model.expert_params),
         sum(grad_bytes.values()),
         microbatches,

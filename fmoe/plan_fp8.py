@@ -17,7 +17,7 @@ from typing import NamedTuple
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages.fp8_mode import cached_input_bytes
 
-__all__ = ["Fp8Caching", "Fp8Input", "fp8_cache_bytes", "fp8_inputs"]
+__all__ = ["Fp8Caching", "Fp8Input", "fp8_cache_bytes", "fp8_inputs", "mlp_copies_rows"]
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,24 @@ class Fp8Input(NamedTuple):
     region: bool = False
 
 
-def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, local: bool = True) -> list[Fp8Input]:
+def mlp_copies_rows(family: str, cfg, local: bool, device: str, selective: bool) -> bool:
+    """Whether a MoE layer's mlp makes a gathered copy of its experts' rows: only where dispatch
+    hands it the tokens (``local``: the local permutation, ep 1; under expert parallelism the
+    received rows are its input), and there unless the fused FP8 SwiGLU experts read the rows from
+    the tokens (``layers.gathered_expert_mlp``: on CUDA, both expert GEMMs in FP8, no selective
+    recomputation; gpt-oss's experts are not SwiGLU's)."""
+    if not local:
+        return False
+    if device != "cuda" or family == "gpt_oss" or selective:
+        return True
+    return not (cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0)
+
+
+def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, copies_rows: bool = True) -> list[Fp8Input]:
     """The inputs a stage's FP8 linears read that are made inside it and saved by nothing else (per
     ``fmoe.stages``' code): a linear on the stage's input (or a view of it) or called with
-    ``cache=False`` caches nothing (``fmoe.stages.fp8_mode``). local: the MoE layers' dispatch is
-    the local permutation (ep 1), so mlp gathers the experts' rows from the tokens itself; under
-    expert parallelism the received rows are its input."""
+    ``cache=False`` caches nothing (``fmoe.stages.fp8_mode``). copies_rows: the MoE mlp gathers its
+    experts' rows into a copy (:func:`mlp_copies_rows`), which gate_up reads."""
     ok = lambda *dims: all(d % 128 == 0 for d in dims)  # noqa: E731
     h, k = cfg.hidden_size, getattr(cfg, "num_experts_per_tok", 1)
     if role == "attn" and family == "deepseek_v2":  # q_proj / q_a_proj share x with kv_a: not cached
@@ -93,10 +105,10 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, local: bool = Tru
     if not moe:  # gate and up read the stage's input; down the SwiGLU product
         return [Fp8Input(t, cfg.intermediate_size, ok(h, cfg.intermediate_size))]
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
-    # the experts' down reads the SwiGLU output; gate_up the rows mlp gathers from the tokens (local:
-    # on the CPU path the gathered copy; the fused FP8 experts on CUDA make none) or its input (ep)
+    # the experts' down reads the SwiGLU output; gate_up the rows mlp gathers from the tokens (a
+    # copy, where it makes one) or its input (expert parallelism)
     out = [Fp8Input(t * k, inter, ok(h, inter), expert=True, region=family != "gpt_oss")]
-    if local:
+    if copies_rows:
         out.append(Fp8Input(t * k, h, ok(h, 2 * inter), expert=True))
     shared = (cfg.n_shared_experts or 0) if family == "deepseek_v2" else 0
     if shared:
@@ -106,7 +118,7 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, local: bool = Tru
 
 def _cached(
     family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None, selective: bool,
-    local: bool,
+    copies_rows: bool,
 ) -> list[Fp8Input]:  # fmt: skip
     """The inputs of ``fp8_inputs`` the step caches, as ``fp8_mode.cached_input`` decides: FP8, of a
     kind ``fp8`` caches, smaller cached than in the compute dtype (``elem`` bytes an element), and
@@ -115,7 +127,7 @@ def _cached(
         return []
     return [
         i
-        for i in fp8_inputs(family, cfg, role, moe, tokens, local)
+        for i in fp8_inputs(family, cfg, role, moe, tokens, copies_rows)
         if i.eligible
         and (fp8.experts if i.expert else fp8.dense)
         and _cached_bytes(i, fp8) < i.rows * i.width * elem
@@ -129,12 +141,14 @@ def _cached_bytes(i: Fp8Input, fp8: Fp8Caching) -> int:
 
 def fp8_cache_bytes(
     family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None,
-    selective: bool = False, local: bool = True,
+    selective: bool = False, local: bool = True, device: str = "cpu",
 ) -> int:  # fmt: skip
     """What FP8 input caching changes in the bytes one micro-batch's stage of ``role`` saves: each
     cached input's form less its bytes in the compute dtype (``elem`` bytes an element; none where
     another reader keeps it: the form is then extra). tokens: the micro-batch's tokens on the rank;
     selective: the stage runs under selective recomputation, whose regions' outputs are not cached
-    (it keeps nothing of them); local: ``fp8_inputs``' (the dispatch is the local permutation)."""
-    cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective, local)
+    (it keeps nothing of them); local: the dispatch is the local permutation; device: "cpu" or
+    "cuda" (with ``local``, what decides whether mlp copies its experts' rows: ``mlp_copies_rows``)."""
+    copies_rows = mlp_copies_rows(family, cfg, local, device, selective) if moe else False
+    cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective, copies_rows)
     return sum(_cached_bytes(i, fp8) - (0 if i.kept else i.rows * i.width * elem) for i in cached)

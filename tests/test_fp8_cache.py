@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import random_batch, tiny_config
 
-from fmoe import offload, parallel, plan_activations, recipe, runner, sharding
+from fmoe import offload, parallel, plan_activations, plan_fp8, recipe, runner, sharding
 from fmoe import stage as S
 from fmoe.kernels import fp8_quant, fused
 from fmoe.kernels.fp8_quant import Fp8ActT, quantize_act_t
@@ -438,6 +438,12 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     experts = 7 * 128 * 132 + 8 * 4 - 2 * 512 * 128
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == 2 * experts
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, local=False) == experts
+    # on CUDA the fused FP8 experts read the rows from the tokens (no copy) - not under selective
+    # recomputation, which takes the composition, and not gpt-oss's experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, device="cuda") == experts
+    assert plan_fp8.mlp_copies_rows("qwen3_moe", cfg, True, "cuda", selective=True)
+    assert plan_fp8.mlp_copies_rows("gpt_oss", cfg, True, "cuda", selective=False)
+    assert not plan_fp8.mlp_copies_rows("qwen3_moe", cfg, False, "cpu", selective=False)
     # under selective recomputation the regions' outputs (the norm's, the SwiGLU's) are not cached
     assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching, selective=True) == 0
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == experts
@@ -475,6 +481,27 @@ def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():
             .activations
         )
     assert acts[False, True] == acts[True, False] > acts[True, True]
+
+
+def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
+    # a step merging its expert W (window 0, 4 micro-batches): on CUDA the fused FP8 experts' W
+    # keeps each micro-batch's [T, H] tokens, not their k gathered rows; FP8 is known on from its
+    # caching (here caching nothing: only that term moves), and on the CPU the copy stays
+    cfg = recipe.from_dict({"model": {"family": "qwen3_moe", **FAMILY_CONFIGS["qwen3_moe"]}}).model
+    model = qwen3_moe.build(cfg)
+    grads = {n: 0 for n in model.init(seed=0)}
+    fp8_on = Fp8Caching(dense=False, experts=False, local_experts=4)
+    peaks = {}
+    for device in ("cuda", "cpu"):
+        mb = plan_activations.MicroBatch(2, 128, 128, 2, device)
+        for fp8 in (None, fp8_on):
+            peaks[device, fp8] = plan_activations.rank_activation_peaks(
+                "qwen3_moe", cfg, model, None, 0, mb, grads, 4, MemoryPolicy(), 1, fp8
+            )[0]
+    copies = (cfg.num_experts_per_tok - 1) * 256 * 2 * cfg.hidden_size  # one micro-batch's, one layer
+    # the peak holds 3 (during the last B) or 4 (at the step's end) micro-batches' merge operands
+    assert peaks["cuda", None] - peaks["cuda", fp8_on] in (3 * copies, 4 * copies)
+    assert peaks["cpu", None] == peaks["cpu", fp8_on]
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["fp8_dense", "experts_only"])

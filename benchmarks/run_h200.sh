@@ -89,14 +89,15 @@ fp8step)  # an FP8 change against the tree BEFORE (default before_tree/, made wi
   # expert weight gradients after it, BF16 and FP8 before it, each process's peak memory; the FP8 GPU tests first.
   # LAYERS="2 4" on an H100 (8 FP8 layers need more than its 80 GB)
   BEFORE=$(cd "${2:-before_tree}" && pwd)
-  timeout 150 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_fp8_cache_cuda.py \
+  timeout 110 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_fp8_cache_cuda.py \
     -k "fp8 or quant or gathered or merged or swiglu or cache or permute" 2>&1 | tail -6 | tee "$OUT/cuda_fp8.txt"
-  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before "$BEFORE" >/dev/null 2>&1
-  for L in ${LAYERS:-4 8}; do
-    timeout 150 python3 -m benchmarks.train_throughput --layers $L $QWEN \
+  rm -rf /tmp/before  # no earlier install left under it
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/before "$BEFORE" > "$OUT/before_install.log" 2>&1
+  for L in ${LAYERS:-4 8}; do  # 110 + 2 x (140 + 100) s: within a call's 600
+    timeout 140 python3 -m benchmarks.train_throughput --layers $L $QWEN \
       --sides fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16ew_graphs --out "$OUT/after_L$L.json" 2>&1 | grep -E "ms/step|Error"
     # from a folder of its own, so that neither this checkout's fmoe nor its editable install is seen
-    (cd /tmp && PYTHONPATH=/tmp/before:$BEFORE timeout 110 python3 -m benchmarks.train_throughput --layers $L \
+    (cd /tmp && PYTHONPATH=/tmp/before:$BEFORE timeout 100 python3 -m benchmarks.train_throughput --layers $L \
       $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/before_L$L.json" 2>&1 | grep -E "ms/step|Error")
   done
   ;;

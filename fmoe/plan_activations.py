@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fmoe import pipeline
 from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
-from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes, mlp_copies_rows
+from fmoe.plan_fp8 import Fp8Caching, experts_read_tokens, fp8_cache_bytes, local_dispatch
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -243,8 +243,8 @@ def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch, copies_rows: bool
     """What a pp = 1 step keeps per micro-batch and MoE layer for the expert weight GEMMs it merges
     over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
     gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H]); gate/up's input is the [T, H]
-    tokens instead where mlp makes no gathered copy of its rows (``copies_rows`` False: the fused
-    FP8 experts, whose W reads the tokens where they lie, ``plan_fp8.mlp_copies_rows``)."""
+    tokens instead where the experts read them where they lie (``copies_rows`` False: the fused
+    FP8 experts of the local dispatch, ``plan_fp8.experts_read_tokens``)."""
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
     k, h = cfg.num_experts_per_tok, cfg.hidden_size
     x_rows = k if copies_rows else 1
@@ -274,7 +274,9 @@ def chunk_activation_bytes(
     for i in stage_indices:
         st = model.stages[i]
         mode = plan_stage_mode(policy, st, ep)
-        k, x = stage_kept_bytes(family, cfg, st, i in moe, mb, model.num_experts, mode, fp8, local=ep == 1)
+        k, x = stage_kept_bytes(
+            family, cfg, st, i in moe, mb, model.num_experts, mode, fp8, local=local_dispatch(cfg, ep)
+        )
         kept, extra = kept + k, max(extra, x)
     return int(kept), int(extra)
 
@@ -346,17 +348,18 @@ def local_step_peaks(
     return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
 
 
-def _copies_rows(
+def _w_reads_tokens(
     family: str, cfg, mb: MicroBatch, policy: MemoryPolicy, ep: int, fp8: Fp8Caching | None
 ) -> bool:
-    """``plan_fp8.mlp_copies_rows`` for a step: FP8 known on only with its caching (``fp8`` not None;
-    else the copy is assumed, which overstates), selective where it covers mlp."""
+    """``plan_fp8.experts_read_tokens`` for a step: FP8 is known on only with its caching (``fp8``
+    not None; else the gathered rows are assumed kept, which overstates), selective where it
+    covers mlp."""
     if fp8 is None:
-        return True
+        return False
     selective = policy.recompute == "selective" and (
         not policy.recompute_roles or "mlp" in policy.recompute_roles
     )
-    return mlp_copies_rows(family, cfg, ep == 1, mb.device, selective)
+    return experts_read_tokens(family, cfg, local_dispatch(cfg, ep), mb.device, selective)
 
 
 def rank_activation_peaks(
@@ -388,7 +391,9 @@ def rank_activation_peaks(
         kept,
         backward_transient_bytes(family, cfg, model, every, mb) + extra,
         moe_layers
-        * int(expert_weight_grad_bytes(family, cfg, mb, _copies_rows(family, cfg, mb, policy, ep, fp8))),
+        * int(
+            expert_weight_grad_bytes(family, cfg, mb, not _w_reads_tokens(family, cfg, mb, policy, ep, fp8))
+        ),
         sum(b for n, b in grad_bytes.items() if n not in model.expert_params),
         sum(grad_bytes.values()),
         microbatches,

@@ -17,7 +17,15 @@ from typing import NamedTuple
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.stages.fp8_mode import cached_input_bytes
 
-__all__ = ["Fp8Caching", "Fp8Input", "fp8_cache_bytes", "fp8_inputs", "mlp_copies_rows"]
+__all__ = [
+    "Fp8Caching",
+    "Fp8Input",
+    "experts_read_tokens",
+    "fp8_cache_bytes",
+    "fp8_inputs",
+    "local_dispatch",
+    "mlp_copies_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -66,17 +74,28 @@ class Fp8Input(NamedTuple):
     region: bool = False
 
 
-def mlp_copies_rows(family: str, cfg, local: bool, device: str, selective: bool) -> bool:
-    """Whether a MoE layer's mlp makes a gathered copy of its experts' rows: only where dispatch
-    hands it the tokens (``local``: the local permutation, ep 1; under expert parallelism the
-    received rows are its input), and there unless the fused FP8 SwiGLU experts read the rows from
-    the tokens (``layers.gathered_expert_mlp``: on CUDA, both expert GEMMs in FP8, no selective
-    recomputation; gpt-oss's experts are not SwiGLU's)."""
-    if not local:
+def local_dispatch(cfg, ep: int) -> bool:
+    """Whether a MoE layer's dispatch is the local permutation (``decoder_stages.dispatch_stage``'s
+    test): one expert-parallel rank and dropless routing (no ``moe_capacity_factor``); else the
+    exchange, whose received rows are mlp's input."""
+    return ep == 1 and cfg.moe_capacity_factor is None
+
+
+def experts_read_tokens(family: str, cfg, local: bool, device: str, selective: bool) -> bool:
+    """Whether a MoE layer's experts read their rows from the tokens, with no gathered copy (and
+    their merged weight gradient keeps the [T, H] tokens): the fused FP8 SwiGLU experts of the
+    local dispatch (``layers.gathered_expert_mlp``: on CUDA, both expert GEMMs in FP8, no selective
+    recomputation; gpt-oss's experts are not SwiGLU's). With FP8 on: the caller knows that."""
+    if not local or device != "cuda" or family == "gpt_oss" or selective:
         return False
-    if device != "cuda" or family == "gpt_oss" or selective:
-        return True
-    return not (cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0)
+    return cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
+
+
+def mlp_copies_rows(family: str, cfg, local: bool, device: str, selective: bool) -> bool:
+    """Whether a MoE layer's mlp makes a gathered copy of its experts' rows: where dispatch hands
+    it the tokens (``local``) and the experts do not read them where they lie
+    (:func:`experts_read_tokens`); under the exchange the received rows are its input."""
+    return local and not experts_read_tokens(family, cfg, local, device, selective)
 
 
 def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, copies_rows: bool = True) -> list[Fp8Input]:

@@ -35,6 +35,7 @@ from fmoe.plan_activations import (
     plan_stage_mode,
     stage_activation_bytes,
 )
+from fmoe.plan_fp8 import local_dispatch
 from fmoe.stages.spec import Model
 
 __all__ = ["H200_RATES", "Rates", "TimeCost", "Work", "policy_time", "stage_work"]
@@ -207,7 +208,9 @@ def stage_work(family: str, cfg, role: str, moe: bool, mb: MicroBatch, experts: 
     if role == "mlp":
         return _mlp_work(family, cfg, mb, moe, experts, ep)
     if role in ("dispatch", "combine"):
-        return Work(elementwise_bytes=2 * e * t * k * h)  # the rows gathered into (out of) expert order
+        # the rows gathered into (out of) expert order: here under the exchange; with the local
+        # permutation in mlp (none in the fused FP8 experts), counted here all the same
+        return Work(elementwise_bytes=2 * e * t * k * h)
     if role == "aggregate":
         return Work(elementwise_bytes=e * t * h * ((k + 2) if moe else 3))  # read y and h1, write h
     if role == "embed":
@@ -284,7 +287,9 @@ def policy_time(
         elif mode == "selective":  # its norms' and SwiGLUs' outputs remade from their inputs
             recompute += work.recomputable_bytes / (rates.elementwise_gbps * GIGA)
         elif mode == "offload":
-            offloaded += stage_activation_bytes(family, cfg, st, i in moe, mb, model.num_experts, ep == 1)
+            offloaded += stage_activation_bytes(
+                family, cfg, st, i in moe, mb, model.num_experts, local_dispatch(cfg, ep)
+            )
     # offload: the saved bytes go out while the micro-batch's F runs and come back while its B runs
     # (one copy engine each way); the copy's time beyond the compute it hides behind is the cost
     copy = offloaded / (rates.host_copy_gbps * GIGA)

@@ -502,6 +502,21 @@ def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
     # the peak holds 3 (during the last B) or 4 (at the step's end) micro-batches' merge operands
     assert peaks["cuda", None] - peaks["cuda", fp8_on] in (3 * copies, 4 * copies)
     assert peaks["cpu", None] == peaks["cpu", fp8_on]
+    # under the exchange (ep 2, or a capacity at ep 1) W keeps the received rows: nothing moves
+    mb = plan_activations.MicroBatch(2, 128, 128, 2, "cuda")
+    capped = dataclasses.replace(cfg, moe_capacity_factor=1.5)
+    for c, ep in ((cfg, 2), (capped, 1)):
+        assert not plan_fp8.local_dispatch(c, ep)
+        same = [
+            plan_activations.rank_activation_peaks(
+                "qwen3_moe", c, model, None, 0, mb, grads, 4, MemoryPolicy(), ep, f
+            )
+            for f in (None, fp8_on)
+        ]
+        assert same[0] == same[1]
+    assert plan_fp8.local_dispatch(cfg, 1) and not plan_fp8.experts_read_tokens(
+        "qwen3_moe", cfg, False, "cuda", False
+    )
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["fp8_dense", "experts_only"])

@@ -94,13 +94,13 @@ def _raise_out_of_range(expert_ids: torch.Tensor, num_experts: int) -> None:
 def sum_slot_rows(grad: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
     """The gradient of the tokens from that of their expert-grouped rows (row i was token
     ``order[i] // top_k``): grad [n = T*top_k, H] -> [T, H], each token's top_k rows summed in
-    slot order in float32, rounded once (deterministic: no atomics). CUDA tensors take one Triton
-    pass that reads each row where it lies (:func:`sum_slot_rows_triton`); the rest the gather
-    and sum of :func:`sum_slot_rows_reference`."""
+    slot order in float32, rounded once (deterministic: no atomics). CUDA tensors of 16- and 32-bit
+    floats take one Triton pass that reads each row where it lies (:func:`sum_slot_rows_triton`);
+    the rest (float64 sums in float64) the gather and sum of :func:`sum_slot_rows_reference`."""
     from fmoe.kernels._triton import use_triton
 
-    if grad.is_cuda and use_triton(grad):
-        return sum_slot_rows_triton(grad, order, top_k)
+    if grad.is_cuda and use_triton(grad) and grad.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return sum_slot_rows_triton(grad.contiguous(), order, top_k)
     return sum_slot_rows_reference(grad, order, top_k)
 
 

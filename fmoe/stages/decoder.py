@@ -183,6 +183,7 @@ class MoEDecoder:
     router_shapes: Callable[[Any], Shapes]
     experts: Callable[[Any, Params, Tensor, Tensor], Tensor]
     expert_shapes: Callable[[Any], Shapes]
+    gathered_experts: Callable[[Any, Params, Tensor, Tensor, int, Tensor], Tensor] | None = None
     shared_experts: Callable[[Any, Params, Tensor], Tensor] | None = None
     shared_shapes: Callable[[Any], Shapes] = _no_params
     dense_mlp: Callable[[Any, Params, Tensor], Tensor] | None = None
@@ -190,7 +191,6 @@ class MoEDecoder:
     norm: Callable[[Tensor, Params, str, float], Tensor] = rms_norm
     norm_shapes: Callable[[str, int], Shapes] = rms_norm_shapes
     embed: Callable[..., Tensor] = token_embedding
-    gathered_experts: Callable[[Any, Params, Tensor, Tensor, int, Tensor], Tensor] | None = None
     embed_shapes: Callable[[Any], Shapes] | None = None
     embed_inputs: tuple[str, ...] = ("tokens",)
     hub_expert_parts: tuple[tuple[str, tuple[str, ...]], ...] = SWIGLU_HUB_EXPERTS

@@ -114,7 +114,8 @@ class ExpertRows:
 
     residual: h1 [b,s,H] (after mlp, with shared experts: h1 + shared_experts(x)); rows: the
     experts' inputs before mlp - the tokens x [T,H] themselves for the local permutation (mlp
-    gathers them by order: ``MoEDecoder.gathered_experts``), this rank's buffer [n_kept,H] grouped
+    gathers them by order: ``MoEDecoder.gathered_experts``, or ``layers.permute_rows`` for a family
+    without it), this rank's buffer [n_kept,H] grouped
     by expert under the exchange - and their outputs after it: [n,H] in token-slot order (local;
     row t*k + j is token t's j-th expert's), [n_kept,H] grouped by expert (exchange);
     weights: w [T,k]; order: [n] int64, the

@@ -198,7 +198,8 @@ class GroupedWeightGrad:
         return t.index_select(0, rows)
 
     def gathered_x(self) -> Tensor | Fp8ActT:
-        """x's [n, k] rows in the compute dtype: x itself, or (``x_rows``) the gathered copy."""
+        """x's [n, k] rows: x itself (a tensor or its cached Fp8ActT), or (``x_rows``) the gathered
+        copy of the tokens' rows."""
         return self.x if self.x_rows is None else self.x.index_select(0, self.x_rows)
 
     def gathered_dy(self) -> Tensor:
@@ -536,8 +537,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward, nt_tile_map
         from fmoe.kernels.fp8_quant import quantize_act_gathered
 
-        x_rows = None if order is None else (order // top_k).to(torch.int32)
-        slot_rows = None if order is None else order.to(torch.int32)
+        x_rows = None if order is None else _token_rows(order, top_k)
         n = x.shape[0] if order is None else order.shape[0]
         tiles = nt_tile_map(offs, n)
         if x_rows is not None:
@@ -553,8 +553,8 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
             a_saved = (a,)
         y = fp8_grouped_linear_forward(a_rows, down_fp8, offs, out_dtype=x.dtype, tiles=tiles, out_rows=order)
         x_saved = (x,) if x_cached is None else cols_to_save(x_cached.cols)
-        if x_rows is not None:
-            x_saved = (x, order, x_rows, slot_rows)
+        if x_rows is not None:  # the int32 indices are remade in B from order: 8 bytes a slot kept
+            x_saved = (x, order)
         tile_tensors = (tiles.expert, tiles.row, tiles.group_end, tiles.first_tile, tiles.num_tiles)
         ctx.save_for_backward(offs, gate_up, *tile_tensors, *x_saved, *a_saved)
         ctx.tile_sizes = (tiles.cap, tiles.tile)
@@ -575,7 +575,9 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         tiles = TileMap(*rest[:5], *ctx.tile_sizes)
         x_saved, a_saved = rest[5 : 5 + ctx.x_parts], rest[5 + ctx.x_parts :]
         x = cols_from_saved(tuple(x_saved)) if ctx.x_cached else x_saved[0]
-        order, x_rows, slot_rows = x_saved[1:] if ctx.gathered else (None, None, None)
+        order = x_saved[1] if ctx.gathered else None
+        x_rows = None if order is None else _token_rows(order, ctx.top_k)  # row i is x[x_rows[i]]
+        slot_rows = None if order is None else order.to(torch.int32)  # row i is dy[slot_rows[i]]
         a = cols_from_saved(tuple(a_saved)) if ctx.a_cached else a_saved[0]
         (up_w, down_w), (up_fp8, down_fp8) = ctx.weights, ctx.fp8
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
@@ -591,10 +593,10 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
             if slot_rows is not None:  # dy's rows in expert order, quantized from the slots
                 from fmoe.kernels.fp8_quant import quantize_act_gathered
 
-                dy_rows = quantize_act_gathered(dy.contiguous(), slot_rows)
+                dy_q = quantize_act_gathered(dy.contiguous(), slot_rows)
             else:
-                dy_rows = dy
-            da = fp8_grouped_linear_input_grad(dy_rows, down_fp8, offs, out_dtype=dy.dtype, tiles=tiles)
+                dy_q = dy
+            da = fp8_grouped_linear_input_grad(dy_q, down_fp8, offs, out_dtype=dy.dtype, tiles=tiles)
             dgate_up, dgate_up_rows = fused.swiglu_backward(gate_up, da, quantize=True)
             del da
             if need_x:
@@ -611,6 +613,11 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
                 )
                 grads[0] = _record_or_compute(ctx.tapes[0], up_w, compute)
         return dx, grads[0], grads[1], None, None, None, None, None, None, None, None
+
+
+def _token_rows(order: Tensor, top_k: int) -> Tensor:
+    """[n] int32: the token of each expert-grouped row, ``order // top_k`` (n < 2^31)."""
+    return (order // top_k).to(torch.int32)
 
 
 def _record_or_compute(

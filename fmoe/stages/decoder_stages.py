@@ -238,8 +238,9 @@ def expert_stage(
     elif dec.gathered_experts is not None:  # the tokens in, the outputs in slot order
         y = dec.gathered_experts(cfg, p, carry.rows, carry.order, d.top_k, carry.offs)
     else:
-        rows = dec.experts(cfg, p, layers.permute_rows(carry.rows, carry.order, d.top_k), carry.offs)
-        y = layers.unpermute_rows(rows, carry.order, d.top_k).flatten(0, 1)
+        y = layers.in_slot_order(
+            lambda rows: dec.experts(cfg, p, rows, carry.offs), carry.rows, carry.order, d.top_k
+        )
     return ExpertRows(residual, y, carry.weights, carry.order, exchange=carry.exchange).pack()
 
 

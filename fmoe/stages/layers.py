@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -304,8 +305,13 @@ def gathered_expert_mlp(
     gradients either way."""
     if _fused(tokens) and fuses_fp8_swiglu_experts(tokens, gate_up_w, down_w):
         return fp8_swiglu_experts(tokens, gate_up_w, down_w, offs, order=order, top_k=top_k)
-    y = expert_mlp(permute_rows(tokens, order, top_k), gate_up_w, down_w, offs)
-    return unpermute_rows(y, order, top_k).flatten(0, 1)
+    return in_slot_order(lambda rows: expert_mlp(rows, gate_up_w, down_w, offs), tokens, order, top_k)
+
+
+def in_slot_order(experts: Callable[[Tensor], Tensor], tokens: Tensor, order: Tensor, top_k: int) -> Tensor:
+    """``experts`` (expert-grouped rows [n, H] -> [n, H']) over ``permute_rows(tokens, order,
+    top_k)``, its output put back in token-slot order, flat: [n = T*k, H'] (``unpermute_rows``)."""
+    return unpermute_rows(experts(permute_rows(tokens, order, top_k)), order, top_k).flatten(0, 1)
 
 
 def dense_mlp(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:

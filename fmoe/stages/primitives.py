@@ -189,22 +189,25 @@ class GroupedWeightGrad:
     def _operand(self, t: Tensor | Fp8ActT, rows: Tensor | None) -> Tensor | Fp8ActT:
         """An operand's [n, *] rows as the GEMM reads them: t itself, or gathered by ``rows``
         (FP8: quantized along tokens straight from t; else the gathered copy, made now)."""
-        if rows is None:
-            return t
-        if self.fp8:
+        if rows is not None and self.fp8:
             from fmoe.kernels.fp8_quant import quantize_act_t_gathered
 
             return quantize_act_t_gathered([t.contiguous()], torch.zeros_like(rows), rows, self.offs)
-        return t.index_select(0, rows)
+        return _rows_of(t, rows)
 
     def gathered_x(self) -> Tensor | Fp8ActT:
         """x's [n, k] rows: x itself (a tensor or its cached Fp8ActT), or (``x_rows``) the gathered
         copy of the tokens' rows."""
-        return self.x if self.x_rows is None else self.x.index_select(0, self.x_rows)
+        return _rows_of(self.x, self.x_rows)
 
     def gathered_dy(self) -> Tensor:
         """dy's [n, m] rows: dy itself, or (``dy_rows``) the gathered copy."""
-        return self.dy if self.dy_rows is None else self.dy.index_select(0, self.dy_rows)
+        return _rows_of(self.dy, self.dy_rows)
+
+
+def _rows_of(t: Tensor | Fp8ActT, rows: Tensor | None) -> Tensor | Fp8ActT:
+    """t, or (``rows`` [n] int32) the copy of its rows ``t[rows]``."""
+    return t if rows is None else t.index_select(0, rows)
 
 
 def _grouped_weight_grad(

@@ -13,6 +13,8 @@
 #                                                # FP8 on the previous ones (--fp8-tiles 2x4,2x4_pf)
 #   OUT=/tmp/out benchmarks/run_h200.sh fp8step [BEFORE] # Qwen3 FP8 steps (4 and 8 layers) before and after
 #                                                # a change, BF16 beside them, and the FP8 GPU tests
+#   OUT=/tmp/out benchmarks/run_h200.sh layers   # the GPU tier, then each kernel's ms per layer (BF16 and FP8
+#                                                # Qwen3 steps at two layer counts) and the FP8 bound
 #   OUT=/tmp/out benchmarks/run_h200.sh deepgemm DIR [FAMILY]  # DeepGEMM beside fmoe's FP8 GEMMs: build
 #                                                # the DeepGEMM checkout DIR (submodules in, no network
 #                                                # there), compile its JIT kernels in parallel, time them
@@ -100,6 +102,18 @@ fp8step)  # an FP8 change against the tree BEFORE (default before_tree/, made wi
     (cd /tmp && PYTHONPATH=/tmp/before:$BEFORE timeout 100 python3 -m benchmarks.train_throughput --layers $L \
       $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/before_L$L.json" 2>&1 | grep -E "ms/step|Error")
   done
+  ;;
+layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP8 steps at two layer counts,
+  # every kernel profiled, and benchmarks.per_layer_kernels' difference (the FP8 bound included). LAYERS
+  # defaults to "4 8" on a GPU of more than 100 GB, else "2 4" (8 FP8 layers need more than an H100's 80 GB)
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  [ "$MEM" -gt 100000 ] && DEFAULT="4 8" || DEFAULT="2 4"
+  timeout 230 python3 -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 | tail -12 | tee "$OUT/cuda_tier.txt"
+  for L in ${LAYERS:-$DEFAULT}; do  # 230 + 2 x 150 s: within a call's 600
+    timeout 150 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_graphs,fmoe_fp8_graphs \
+      --profile --top-kernels 300 --out "$OUT/layers_L$L.json" 2>&1 | grep -E "ms/step|Error"
+  done
+  python3 -m benchmarks.per_layer_kernels "$OUT"/layers_L*.json --out "$OUT/per_layer.json"
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

@@ -393,6 +393,9 @@ def main(argv=None) -> dict:
         help="CUDA: time shares of each side's step by kernel kind, and its top kernels",
     )
     ap.add_argument(
+        "--top-kernels", type=int, default=40, help="with --profile: how many of the longest kernels to list"
+    )
+    ap.add_argument(
         "--host-profile",
         action="store_true",
         help="cProfile one step of each side: the host functions that take the most time",
@@ -504,7 +507,7 @@ def main(argv=None) -> dict:
                              "mfu": tflops / PEAK_TFLOPS}  # fmt: skip
             print(f"{side}: {ms:.1f} ms/step, {tflops:.1f} model TFLOP/s", file=sys.stderr, flush=True)
             if args.profile and args.device == "cuda":
-                results[side]["profile"] = profile_step(step, tokens, labels)
+                results[side]["profile"] = profile_step(step, tokens, labels, top_kernels=args.top_kernels)
             if args.host_profile:
                 results[side]["host_profile"] = host_profile_step(step, tokens, labels)
             if args.device == "cuda":

@@ -329,8 +329,10 @@ def backward_input(
     ):
         if g is not None:
             work.partial[name] = g
-    if work.partial:  # rule 2: what W returns shares memory with nothing B hands on or keeps
-        _own(work.partial, (*grads_out, *grad_inputs, *(compute.dy for _, compute in fwd.tape.entries)))
+    if work.partial:  # rule 2: what W returns shares memory with nothing B hands on or keeps (a
+        # taped dy in FP8 is B's own new quantization, which no gradient can share)
+        kept = (compute.dy for _, compute in fwd.tape.entries)
+        _own(work.partial, (*grads_out, *grad_inputs, *(dy for dy in kept if isinstance(dy, Tensor))))
     # the graph is gone; free the leaves' references early
     fwd.outputs, fwd.input_leaves, fwd.tape = (), (), None
     return grad_inputs, work

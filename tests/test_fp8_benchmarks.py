@@ -41,3 +41,58 @@ def test_fp8_curves_train_both_sides_on_the_same_text_and_plot_them(tmp_path, mo
     assert abs(bf16[0] - math.log(fp8_curves.BYTE_VOCAB)) < 0.5 and bf16[-1] < bf16[0] and fp8[-1] < fp8[0]
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "curves.json").read_text())["final_loss_ratio_fp8_over_bf16"] > 0
+
+
+def _profiled(layers: int, kernels: dict[str, dict[str, float]], step_ms: dict[str, float]) -> dict:
+    """A train_throughput --profile record: per side, {kernel: ms per step} and the step's ms."""
+    return {
+        "shape": {"layers": layers},
+        "results": {
+            side: {
+                "step_ms": step_ms[side],
+                "profile": {
+                    "top_kernels": [
+                        {"kernel": k, "ms_per_step": ms, "calls_per_step": layers} for k, ms in ks.items()
+                    ]
+                },
+            }
+            for side, ks in kernels.items()
+        },
+    }
+
+
+def test_per_layer_kernels_differences_two_steps_and_bounds_fp8(tmp_path):
+    from benchmarks import per_layer_kernels
+
+    def run(layers):  # per layer: bf16 GEMMs 10 ms, attention 6; FP8 GEMMs 6, quantization 2
+        kernels = {
+            "fmoe_graphs": {
+                "nvjet_sm90_tst_256x128": 10.0 * layers,
+                "cudnn_sdpa_bprop": 6.0 * layers,
+                "lm_head_gemm_xmma": 30.0,
+            },  # fmt: skip
+            "fmoe_fp8_graphs": {
+                "_nt_kernel": 6.0 * layers,
+                "_quant_rows_kernel": 2.0 * layers,
+                "cudnn_sdpa_bprop": 6.0 * layers,
+                "lm_head_gemm_xmma": 30.0,
+            },  # fmt: skip
+        }
+        return _profiled(
+            layers, kernels, {"fmoe_graphs": 20.0 * layers + 50, "fmoe_fp8_graphs": 16.0 * layers + 50}
+        )
+
+    paths = []
+    for layers in (4, 2):  # given larger first: the tool orders them
+        paths.append(tmp_path / f"L{layers}.json")
+        paths[-1].write_text(json.dumps(run(layers)))
+    out = per_layer_kernels.main([str(p) for p in paths])
+    bf16, fp8 = out["sides"]["fmoe_graphs"], out["sides"]["fmoe_fp8_graphs"]
+    assert out["layers"] == [2, 4]
+    assert math.isclose(bf16["layer_ms"], 20.0) and math.isclose(fp8["layer_ms"], 16.0)
+    assert bf16["classes"]["bf16 GEMMs"]["ms"] == 10.0  # the head's 30 ms a step cancels
+    assert fp8["classes"]["fp8 GEMMs"]["ms"] == 6.0 and fp8["classes"]["fp8 quantization"]["ms"] == 2.0
+    assert fp8["classes"]["attention"]["ms"] == 6.0
+    bound = out["fp8_bound"]
+    assert math.isclose(bound["best_fp8_layer_ms"], 20.0 - 10.0 / 2)  # GEMMs at 2x, no quantization
+    assert math.isclose(bound["best_ratio"], 20.0 / 15.0) and math.isclose(bound["fp8_over_bf16"], 1.25)

@@ -47,13 +47,13 @@ def fp8_config(**overrides):
 
 def cached_kinds(monkeypatch) -> list[str]:
     """The primitive kinds whose inputs get cached (one entry per quantization) while a test runs: an
-    input quantized with its rows by ``quantize_act_t``, or the experts' SwiGLU output by
+    input quantized with its rows by ``quantize_act_t`` in F, or the experts' SwiGLU output by
     ``swiglu_quant`` (the fused FP8 experts, ``primitives.fp8_swiglu_experts``)."""
     kinds = []
     real, real_swiglu = fp8_quant.quantize_act_t, fused.swiglu_quant  # imported at each call
 
     def spy(x, offs=None, **kw):
-        if kw.get("with_rows"):
+        if kw.get("with_rows") and torch.is_grad_enabled():  # in F; B quantizes dy's two forms too
             kinds.append("linear" if offs is None else "grouped_linear")
         return real(x, offs, **kw)
 

@@ -105,6 +105,36 @@ def test_fp8_linear_takes_an_output_gradient_that_is_a_transposed_view(triton_ke
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_fp8_linear_b_quantizes_dy_once_and_w_keeps_its_fp8_form(kernels, monkeypatch):
+    """B reads dy once for both of its FP8 forms (rows for dx, token-wise for W) and W keeps the
+    token-wise form, not the bf16 dy: dx and dw are bitwise those of quantizing dy apart for each."""
+    from fmoe.kernels import fp8_linear, fp8_quant
+
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", kernels)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 256, generator=gen).bfloat16()
+    w = (torch.randn(128, 256, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(256, 128, generator=gen).bfloat16()
+    row_quantizations = []
+    real = fp8_linear.quantize_act  # the name fp8_linear quantizes a bf16 operand's rows with
+    monkeypatch.setattr(
+        fp8_linear, "quantize_act", lambda *a, **k: row_quantizations.append(1) or real(*a, **k)
+    )
+    stage = Stage("lin", lambda p, i, c: (linear(i[0] * 1, p["w"]),), ("l.w",), "l.")
+    with fp8_training(True):
+        _, fwd = S.forward(stage, {"l.w": w}, (x,), StageContext())
+        row_quantizations.clear()  # F's of x
+        (dx,), work = S.backward_input(fwd, (dy,))
+        (compute,) = [c for _, c in work.tape.entries]
+        dw = S.backward_weight(work)["l.w"]
+    assert isinstance(compute.dy, fp8_quant.Fp8ActT), "W must keep dy's FP8 form, not the bf16 dy"
+    assert row_quantizations == [], "B's dx operand must come from the pass that makes W's"
+    w_fp8 = fp8_quant.quantize_weight(w)
+    assert torch.equal(dx, fp8_linear.fp8_linear_input_grad(dy, w_fp8))
+    assert torch.equal(dw, fp8_linear.fp8_linear_weight_grad(x, dy, out_dtype=w.dtype))
+
+
 def test_fp8_grouped_linear_b_and_w_agree_within_the_fp8_bound_with_an_empty_expert():
     gen = torch.Generator().manual_seed(1)
     offs = torch.tensor([40, 40, 128], dtype=torch.int32)  # expert 1 gets no rows

@@ -230,12 +230,13 @@ class DenseWeightGrad:
     """A deferred dense weight GEMM, ``dW = dy^T @ x``, kept as data so that W can add it to a
     gradient accumulated over microbatches inside the GEMM (``accumulate_into``), with no
     weight-sized temporary and no separate add. x [n, k] (FP8: or its cached Fp8ActT), dy [n, m]
-    -> dW [m, k]."""
+    (FP8: or its Fp8ActT, which B quantized with dy's rows) -> dW [m, k]."""
 
     x: Tensor | Fp8ActT
-    dy: Tensor
+    dy: Tensor | Fp8ActT
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
-    out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's
+    out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's (must be given
+    # where dy is an Fp8ActT)
 
     def __call__(self) -> Tensor:
         if self.fp8:
@@ -420,15 +421,24 @@ class _Fp8Linear(torch.autograd.Function):
         # the gradient autograd hands over may be a transposed view (attention's q/k/v after the
         # math backend's head transpose): the quantization kernels read rows of contiguous memory
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        fp8_w = ctx.fp8_wgrad and ctx.needs_input_grad[1]
+        dy_rows = dy_cols = dy2
+        if fp8_w:  # both of dy's forms in one read of it: rows for dx now, token-wise for W
+            from fmoe.kernels.fp8_quant import quantize_act_t
+
+            if ctx.needs_input_grad[0]:
+                dy_rows, dy_cols = quantize_act_t(dy2, None, with_rows=True)
+            else:
+                dy_cols = quantize_act_t(dy2, None)
         dx = (
-            fp8_linear_input_grad(dy2, ctx.w_fp8, out_dtype=dy.dtype).view(ctx.x_shape)
+            fp8_linear_input_grad(dy_rows, ctx.w_fp8, out_dtype=dy.dtype).view(ctx.x_shape)
             if ctx.needs_input_grad[0]
             else None
         )
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None, None
-        if ctx.fp8_wgrad:
-            compute = DenseWeightGrad(x2, dy2, fp8=True, out_dtype=ctx.weight.dtype)
+        if fp8_w:
+            compute = DenseWeightGrad(x2, dy_cols, fp8=True, out_dtype=ctx.weight.dtype)
         else:
             compute = DenseWeightGrad(x2, dy2)
         if ctx.tape is not None:

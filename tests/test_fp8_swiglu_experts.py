@@ -123,14 +123,15 @@ def test_fused_experts_give_the_bits_of_the_composition(
         assert counted["fused"][1].count(tile) == 1 and counted["composed"][1].count(tile) == 4
 
 
-def _gathered_inputs(top_k=2, seed=3):
+def _gathered_inputs(top_k=2, seed=3, counts=COUNTS):
     """Tokens [T, H] and a routing whose slots, grouped by expert (dispatch's stable order), give
-    COUNTS' ragged experts (an empty one included): (tokens, order [T*k] int64, offs [E] int32)."""
+    ``counts``' ragged experts (COUNTS: an empty one included): (tokens, order [T*k] int64, offs
+    [E] int32)."""
     gen = torch.Generator().manual_seed(seed)
-    n = sum(COUNTS)
-    ids = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+    n = sum(counts)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     ids = ids[torch.randperm(n, generator=gen)]  # each slot's expert, slots in token order
-    order, offs = layers.expert_order(ids.view(-1, top_k), len(COUNTS))
+    order, offs = layers.expert_order(ids.view(-1, top_k), len(counts))
     tokens = torch.randn(n // top_k, 256, generator=gen).bfloat16()
     return tokens, order, offs
 
@@ -185,6 +186,47 @@ def test_gathered_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
     for got, want, what in zip(out["gathered"], out["permuted"], ("y", "dx", "dw_gate_up", "dw_down")):
         assert torch.equal(got, want), what
     assert out["gathered"][1].shape == tokens.shape
+
+
+@pytest.mark.parametrize("backend,fp8_wgrad", [("torch", True), ("torch", False), ("triton", True)])
+def test_gathered_experts_merged_over_unlike_micro_batches_give_the_bits_of_the_permuted_ones(
+    monkeypatch, backend, fp8_wgrad
+):
+    # two micro-batches of other token counts and routings (a part's row indices must not be read
+    # against another part's tokens, which a merge of one micro-batch with itself cannot show):
+    # their W entries merged give bitwise the merge of the permuted experts' entries
+    _use(backend, monkeypatch)
+    _, w1, w2, _, _ = _inputs()
+    batches = [_gathered_inputs(seed=3), _gathered_inputs(seed=4, counts=[64, 250, 0, 200])]
+    gen = torch.Generator().manual_seed(5)
+    grads_out = [torch.randn(o.shape[0], 256, generator=gen).bfloat16() for _, o, _ in batches]
+    merged = {}
+    for name in ("permuted", "gathered"):
+        entries = []
+        for (tokens, order, offs), dy in zip(batches, grads_out):
+            k = order.shape[0] // tokens.shape[0]
+
+            def experts(x, a, b, o, order=order, k=k, gathered=name == "gathered"):
+                if gathered:
+                    return primitives.fp8_swiglu_experts(x, a, b, o, order=order, top_k=k)
+                rows = primitives.fp8_swiglu_experts(layers.permute_rows(x, order, k), a, b, o)
+                return layers.unpermute_rows(rows, order, k).flatten(0, 1)
+
+            stage = Stage(
+                "ex",
+                lambda p, i, c, f=experts, o=offs: (f(i[0] * 1, p["w1"], p["w2"], o),),
+                ("e.w1", "e.w2"),
+                "e.",
+            )
+            with fp8_training(True, expert_wgrad=fp8_wgrad):
+                _, fwd = S.forward(stage, {"e.w1": w1, "e.w2": w2}, (tokens,), StageContext())
+                _, work = S.backward_input(fwd, (dy,))
+            entries.append([c for _, c in work.tape.entries])  # down's, then up's
+        if name == "gathered":
+            assert all(e[1].x_rows is not None and e[0].dy_rows is not None for e in entries)
+        merged[name] = [primitives.merge_grouped_weight_grads([e[j] for e in entries]) for j in (0, 1)]
+    for got, want, what in zip(merged["gathered"], merged["permuted"], ("dw_down", "dw_gate_up")):
+        assert torch.equal(got, want), what
 
 
 def test_gathered_experts_refuse_an_order_of_another_length():

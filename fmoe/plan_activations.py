@@ -266,7 +266,7 @@ def chunk_activation_bytes(
     policy: MemoryPolicy | None = None, ep: int = 1, fp8: Fp8Caching | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """(activation bytes one micro-batch keeps through the given stages from F to B under ``policy``
-    (None: recompute none, no offload) and ``fp8`` (the FP8 input caching; None: none), the most a
+    (None: recompute none, no offload) and ``fp8`` (the FP8 input caching; None: FP8 off), the most a
     single stage's B adds: its recompute or reload)."""
     moe = moe_stages(model)
     policy = policy or MemoryPolicy()
@@ -351,9 +351,8 @@ def local_step_peaks(
 def _w_reads_tokens(
     family: str, cfg, mb: MicroBatch, policy: MemoryPolicy, ep: int, fp8: Fp8Caching | None
 ) -> bool:
-    """``plan_fp8.experts_read_tokens`` for a step: FP8 is known on only with its caching (``fp8``
-    not None; else the gathered rows are assumed kept, which overstates), selective where it
-    covers mlp."""
+    """``plan_fp8.experts_read_tokens`` for a step: FP8 on (``fp8`` not None, whatever it caches),
+    selective where it covers mlp."""
     if fp8 is None:
         return False
     selective = policy.recompute == "selective" and (
@@ -371,7 +370,7 @@ def rank_activation_peaks(
     bytes) over one step. family: a key of ``ACTIVATION_FORMULAS``; table: the schedule (None:
     pp = 1); grad_bytes: {name: bytes of its full gradient} of the rank's parameters; policy: the
     recipe's ``[memory]`` (None: the defaults); ep: the expert-parallel size (exchanges not recomputed);
-    fp8: the step's FP8 input caching (``Fp8Caching.of``; None: none)."""
+    fp8: the step's FP8 input caching (``Fp8Caching.of``; None: FP8 off)."""
     policy = policy or MemoryPolicy()
     if table is not None:
         smap = pipeline.schedule_stage_map(model, table)

@@ -32,7 +32,8 @@ __all__ = [
 class Fp8Caching:
     """Which FP8 linears of a step keep their inputs in FP8 (``fp8_training``'s cache_inputs /
     cache_expert_inputs, as ``parallel_step`` opens it): ``dense`` (``linear``), ``experts``
-    (``grouped_linear``); ``local_experts``: a rank's experts (the cached form pads each one)."""
+    (``grouped_linear``); ``local_experts``: a rank's experts (the cached form pads each one). Its
+    presence says the step runs FP8 (both False: FP8 with nothing cached)."""
 
     dense: bool
     experts: bool
@@ -50,10 +51,14 @@ class Fp8Caching:
         fp8_expert_wgrad: bool = True,
     ) -> Fp8Caching | None:
         """The caching of a step (``train.fp8``, ``train.fp8_dense``, ``train.fp8_dense_wgrad``,
-        ``train.fp8_expert_wgrad``, the ``[memory]`` policy); None: none. A weight gradient in the
-        compute dtype reads the input itself, so nothing of its kind is cached."""
-        if not (fp8 and policy.fp8_cache):
+        ``train.fp8_expert_wgrad``, the ``[memory]`` policy); None: FP8 is off. With FP8 on and
+        ``fp8_cache`` off nothing is cached, but the plan still knows FP8 is on (the fused FP8
+        experts make no gathered copy: ``experts_read_tokens``). A weight gradient in the compute
+        dtype reads the input itself, so nothing of its kind is cached."""
+        if not fp8:
             return None
+        if not policy.fp8_cache:
+            return Fp8Caching(False, False, local_experts)
         dense = fp8_dense and fp8_dense_wgrad
         experts = fp8_expert_wgrad and policy.fp8_cache_experts(pp, microbatches)
         return Fp8Caching(dense, experts, local_experts)

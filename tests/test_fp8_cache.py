@@ -449,7 +449,8 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == experts
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True, local=False) == 0
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", False, 256, 2, caching, selective=True) < 0
-    assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) is None
+    # FP8 on with nothing cached is still FP8 to the plan; off, there is no caching at all
+    assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) == Fp8Caching(False, False, 4)
     assert Fp8Caching.of(False, True, MemoryPolicy(), 1, 4, 4) is None
     assert not Fp8Caching.of(True, True, MemoryPolicy(), 1, 4, 4).experts  # window 0 merges 4
     # a dense weight gradient in the compute dtype reads x itself: no dense input is cached
@@ -502,6 +503,16 @@ def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
     # the peak holds 3 (during the last B) or 4 (at the step's end) micro-batches' merge operands
     assert peaks["cuda", None] - peaks["cuda", fp8_on] in (3 * copies, 4 * copies)
     assert peaks["cpu", None] == peaks["cpu", fp8_on]
+    # FP8 with fp8_cache off caches nothing, and the plan still knows the fused experts keep tokens
+    no_cache = MemoryPolicy(fp8_cache=False)
+    mb = plan_activations.MicroBatch(2, 128, 128, 2, "cuda")
+    fp8_no_cache = Fp8Caching.of(True, True, no_cache, 1, 4, 4)
+    assert (
+        plan_activations.rank_activation_peaks(
+            "qwen3_moe", cfg, model, None, 0, mb, grads, 4, no_cache, 1, fp8_no_cache
+        )[0]
+        == peaks["cuda", fp8_on]
+    )
     # under the exchange (ep 2, or a capacity at ep 1) W keeps the received rows: nothing moves
     mb = plan_activations.MicroBatch(2, 128, 128, 2, "cuda")
     capped = dataclasses.replace(cfg, moe_capacity_factor=1.5)

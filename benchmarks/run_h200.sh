@@ -108,7 +108,8 @@ layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP
   # defaults to "4 8" on a GPU of more than 100 GB, else "2 4" (8 FP8 layers need more than an H100's 80 GB)
   MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   [ "$MEM" -gt 100000 ] && DEFAULT="4 8" || DEFAULT="2 4"
-  timeout 230 python3 -m pytest -m cuda -q -p no:cacheprovider tests/ 2>&1 | tail -12 | tee "$OUT/cuda_tier.txt"
+  # TESTS: the GPU tests to run first (default: the whole tier)
+  timeout 230 python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/} 2>&1 | tail -12 | tee "$OUT/cuda_tier.txt"
   for L in ${LAYERS:-$DEFAULT}; do  # 230 + 2 x 150 s: within a call's 600
     timeout 150 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_graphs,fmoe_fp8_graphs \
       --profile --top-kernels 300 --out "$OUT/layers_L$L.json" 2>&1 | grep -E "ms/step|Error"

@@ -48,7 +48,11 @@ def _kernels(result: dict, side: str, path: str) -> dict[str, tuple[float, float
         top = result["results"][side]["profile"]["top_kernels"]
     except KeyError:
         sys.exit(f"{path}: side {side!r} has no profile (run train_throughput with --profile)")
-    return {k["kernel"]: (k["ms_per_step"], k["calls_per_step"]) for k in top}
+    out: dict[str, tuple[float, float]] = {}
+    for k in top:  # names are cut to 120 characters: kernels that share a prefix are summed
+        ms, n = out.get(k["kernel"], (0.0, 0.0))
+        out[k["kernel"]] = (ms + k["ms_per_step"], n + k["calls_per_step"])
+    return out
 
 
 def per_layer(small: dict, large: dict, side: str, paths: tuple[str, str]) -> dict:

@@ -24,7 +24,7 @@ import sys
 CLASSES = (  # (class, name patterns), first match wins; lower-case substrings of the kernel name
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
-    ("fp8 quantization", ("_quant",)),
+    ("fp8 quantization", ("_quant", "_tile_map")),
     ("fp8 GEMMs", ("_nt_kernel", "_wgrad_kernel", "e4m3", "fp8", "qgmma", "_qq")),
     ("bf16 GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "grouped", "groupproblem")),
     ("router (softmax, top-k)", ("softmax", "topk", "bitonic", "radix")),
@@ -35,7 +35,8 @@ CLASSES = (  # (class, name patterns), first match wins; lower-case substrings o
     ("other elementwise", ("",)),
 )
 FP8_RATE = 2.0  # Hopper's dense FP8 tensor-core rate against BF16's
-REPLACED = ("bf16 GEMMs",)  # what an all-FP8 layer runs in FP8 (the router's GEMM stays: tiny)
+REPLACED = ("bf16 GEMMs",)  # what an all-FP8 layer runs in FP8 (the router's small GEMM is counted
+# too, which FP8 leaves in BF16: the bound is that much optimistic)
 
 
 def kernel_class(name: str) -> str:
@@ -85,7 +86,7 @@ def fp8_bound(bf16: dict, fp8: dict) -> dict:
     return {
         "bf16_layer_ms": bf16["layer_ms"],
         "fp8_layer_ms": fp8["layer_ms"],
-        "fp8_over_bf16": bf16["layer_ms"] / fp8["layer_ms"],
+        "fp8_speedup": bf16["layer_ms"] / fp8["layer_ms"],  # BF16 time / FP8 time
         "bf16_gemm_ms_fp8_replaces": replaced,
         "best_fp8_layer_ms": best,
         "best_ratio": bf16["layer_ms"] / best,
@@ -105,11 +106,11 @@ def main(argv=None) -> dict:
     runs = []
     for path in (args.small, args.large):
         with open(path) as f:
-            runs.append(json.load(f))
-    small, large = sorted(runs, key=lambda r: r["shape"]["layers"])
+            runs.append((json.load(f), path))
+    (small, small_path), (large, large_path) = sorted(runs, key=lambda r: r[0]["shape"]["layers"])
     if small["shape"]["layers"] == large["shape"]["layers"]:
         ap.error("the two runs have the same number of layers")
-    paths = (args.small, args.large)
+    paths = (small_path, large_path)
     sides = {s: per_layer(small, large, s, paths) for s in (args.bf16, args.fp8)}
     out = {"layers": [small["shape"]["layers"], large["shape"]["layers"]], "sides": sides}
     out["fp8_bound"] = fp8_bound(sides[args.bf16], sides[args.fp8])
@@ -122,7 +123,7 @@ def main(argv=None) -> dict:
         print(f"{label:28s} {sides[args.bf16][key]:16.2f} {sides[args.fp8][key]:16.2f}")
     b = out["fp8_bound"]
     print(
-        f"FP8 / BF16 per layer {b['fp8_over_bf16']:.3f}x; with FP8 GEMMs at {FP8_RATE:g}x and no "
+        f"FP8's speed-up per layer {b['fp8_speedup']:.3f}x; with FP8 GEMMs at {FP8_RATE:g}x and no "
         f"quantization: {b['best_fp8_layer_ms']:.1f} ms, {b['best_ratio']:.3f}x"
     )
     if args.out:

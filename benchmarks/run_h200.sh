@@ -110,11 +110,14 @@ layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP
   [ "$MEM" -gt 100000 ] && DEFAULT="4 8" || DEFAULT="2 4"
   # TESTS: the GPU tests to run first (default: the whole tier)
   timeout 230 python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/} 2>&1 | tail -12 | tee "$OUT/cuda_tier.txt"
+  RUNS=()
   for L in ${LAYERS:-$DEFAULT}; do  # 230 + 2 x 150 s: within a call's 600
+    rm -f "$OUT/layers_L$L.json"  # no earlier run's file stands in for one that did not finish
     timeout 150 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_graphs,fmoe_fp8_graphs \
       --profile --top-kernels 300 --out "$OUT/layers_L$L.json" 2>&1 | grep -E "ms/step|Error"
+    RUNS+=("$OUT/layers_L$L.json")
   done
-  python3 -m benchmarks.per_layer_kernels "$OUT"/layers_L*.json --out "$OUT/per_layer.json"
+  python3 -m benchmarks.per_layer_kernels "${RUNS[@]}" --out "$OUT/per_layer.json"
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

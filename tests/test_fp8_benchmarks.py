@@ -102,4 +102,4 @@ def test_per_layer_kernels_differences_two_steps_and_bounds_fp8(tmp_path):
     assert fp8["classes"]["attention"]["ms"] == 6.0
     bound = out["fp8_bound"]
     assert math.isclose(bound["best_fp8_layer_ms"], 20.0 - 10.0 / 2)  # GEMMs at 2x, no quantization
-    assert math.isclose(bound["best_ratio"], 20.0 / 15.0) and math.isclose(bound["fp8_over_bf16"], 1.25)
+    assert math.isclose(bound["best_ratio"], 20.0 / 15.0) and math.isclose(bound["fp8_speedup"], 1.25)

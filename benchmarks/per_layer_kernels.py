@@ -6,8 +6,8 @@ in their number of layers, per side, and how far FP8 can go with the rest unchan
 Each file is ``benchmarks.train_throughput --profile`` output (same sides, micro-batches and
 sequence; ``--top-kernels`` high enough to list every kernel). A kernel's time per layer is
 (its ms in the larger step - its ms in the smaller) / (layers apart): what is not per layer (the
-embedding, the head and loss, the step's fixed part) cancels. Kernels are put in classes by name
-(``CLASSES``, first match wins).
+embedding, the head and loss, the step's fixed part) cancels. Kernels are put in the classes of
+``benchmarks.train_throughput.CATEGORIES`` by name (first match wins).
 
 For a BF16 side and an FP8 side (``--bf16``, ``--fp8``) it also gives the bound Amdahl's law puts on
 FP8 per layer: the BF16 layer with the GEMMs FP8 replaces (the experts' and the projections') run
@@ -21,34 +21,27 @@ import argparse
 import json
 import sys
 
-CLASSES = (  # (class, name patterns), first match wins; lower-case substrings of the kernel name
-    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-    ("optimizer", ("adam", "foreach", "multi_tensor")),
-    ("fp8 quantization", ("_quant", "_tile_map")),
-    ("fp8 GEMMs", ("_nt_kernel", "_wgrad_kernel", "e4m3", "fp8", "qgmma", "_qq")),
-    ("bf16 GEMMs", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "_mm_", "grouped", "groupproblem")),
-    ("router (softmax, top-k)", ("softmax", "topk", "bitonic", "radix")),
-    ("permutation", ("sort", "index", "gather", "scatter", "histogram", "bincount", "slot", "permute")),
-    ("swiglu", ("swiglu",)),
-    ("norms", ("rmsnorm", "norm")),
-    ("copies, memsets", ("memcpy", "memset", "copy")),
-    ("other elementwise", ("",)),
-)
+from benchmarks.train_throughput import CATEGORIES
+
+# what an all-FP8 layer runs in FP8: the BF16 GEMMs per layer (the router's small GEMM is counted
+# too, which FP8 leaves in BF16: the bound is that much optimistic; the head's cancels)
+REPLACED = ("expert GEMMs (bf16 grouped)", "other GEMMs (head, projections)")
+FP8_PARTS = ("fp8 GEMMs", "fp8 quantization")
 FP8_RATE = 2.0  # Hopper's dense FP8 tensor-core rate against BF16's
-REPLACED = ("bf16 GEMMs",)  # what an all-FP8 layer runs in FP8 (the router's small GEMM is counted
-# too, which FP8 leaves in BF16: the bound is that much optimistic)
 
 
 def kernel_class(name: str) -> str:
+    """The class of a kernel: ``benchmarks.train_throughput.CATEGORIES``' (first match wins)."""
     low = name.lower()
-    return next(c for c, pats in CLASSES if any(p in low for p in pats))
+    return next(c for c, pats in CATEGORIES if any(p in low for p in pats))
 
 
 def _kernels(result: dict, side: str, path: str) -> dict[str, tuple[float, float]]:
     try:
         top = result["results"][side]["profile"]["top_kernels"]
     except KeyError:
-        sys.exit(f"{path}: side {side!r} has no profile (run train_throughput with --profile)")
+        print(f"{path}: side {side!r} has no profile (run train_throughput with --profile)", file=sys.stderr)
+        sys.exit(2)
     out: dict[str, tuple[float, float]] = {}
     for k in top:  # names are cut to 120 characters: kernels that share a prefix are summed
         ms, n = out.get(k["kernel"], (0.0, 0.0))
@@ -82,7 +75,7 @@ def fp8_bound(bf16: dict, fp8: dict) -> dict:
     """The best FP8 layer with the other kernels as measured (module docstring), and the ratio."""
     replaced = sum(bf16["classes"].get(c, {"ms": 0.0})["ms"] for c in REPLACED)
     best = bf16["layer_ms"] - replaced * (1 - 1 / FP8_RATE)
-    fp8_parts = sum(fp8["classes"].get(c, {"ms": 0.0})["ms"] for c in ("fp8 GEMMs", "fp8 quantization"))
+    fp8_parts = sum(fp8["classes"].get(c, {"ms": 0.0})["ms"] for c in FP8_PARTS)
     return {
         "bf16_layer_ms": bf16["layer_ms"],
         "fp8_layer_ms": fp8["layer_ms"],
@@ -105,8 +98,13 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     runs = []
     for path in (args.small, args.large):
-        with open(path) as f:
-            runs.append((json.load(f), path))
+        try:
+            with open(path) as f:
+                run = json.load(f)
+            run["shape"]["layers"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"{path}: not a train_throughput record ({type(e).__name__}: {e})")
+        runs.append((run, path))
     (small, small_path), (large, large_path) = sorted(runs, key=lambda r: r[0]["shape"]["layers"])
     if small["shape"]["layers"] == large["shape"]["layers"]:
         ap.error("the two runs have the same number of layers")

@@ -221,12 +221,10 @@ CATEGORIES = (  # kernel-name patterns -> share of the step, first match wins
     ("optimizer", ("adam", "foreach", "multi_tensor")),
     ("router/softmax/topk", ("softmax", "topk", "bitonic", "radix")),
     ("permutation", ("sort", "index", "gather", "scatter", "histogram", "bincount", "_expert")),
-    ("fp8 quantization", ("quant",)),
+    ("fp8 quantization", ("quant", "_tile_map")),
+    ("fp8 GEMMs", ("_nt_kernel", "_wgrad_kernel", "qqtst")),  # Triton's; cuBLAS block-scaled (nvjet qq)
     ("expert GEMMs (bf16 grouped)", ("groupproblem", "grouped")),
-    (
-        "other GEMMs (head, projections; FP8 Triton GEMMs)",
-        ("gemm", "xmma", "cutlass", "_mm_", "matmul", "sm90", "nvjet", "_nt_kernel", "_wgrad_kernel"),
-    ),
+    ("other GEMMs (head, projections)", ("gemm", "xmma", "cutlass", "_mm_", "matmul", "sm90", "nvjet")),
     ("elementwise/norm/other", ("",)),
 )
 

@@ -97,9 +97,27 @@ def test_per_layer_kernels_differences_two_steps_and_bounds_fp8(tmp_path):
     bf16, fp8 = out["sides"]["fmoe_graphs"], out["sides"]["fmoe_fp8_graphs"]
     assert out["layers"] == [2, 4]
     assert math.isclose(bf16["layer_ms"], 20.0) and math.isclose(fp8["layer_ms"], 16.0)
-    assert bf16["classes"]["bf16 GEMMs"]["ms"] == 10.0  # the head's 30 ms a step cancels
+    assert bf16["classes"]["other GEMMs (head, projections)"]["ms"] == 10.0  # the head's 30 ms a step cancels
     assert fp8["classes"]["fp8 GEMMs"]["ms"] == 6.0 and fp8["classes"]["fp8 quantization"]["ms"] == 2.0
     assert fp8["classes"]["attention"]["ms"] == 6.0
     bound = out["fp8_bound"]
     assert math.isclose(bound["best_fp8_layer_ms"], 20.0 - 10.0 / 2)  # GEMMs at 2x, no quantization
     assert math.isclose(bound["best_ratio"], 20.0 / 15.0) and math.isclose(bound["fp8_speedup"], 1.25)
+
+
+def test_per_layer_kernels_names_a_file_that_is_not_a_profiled_record(tmp_path, capsys):
+    import pytest
+
+    from benchmarks import per_layer_kernels
+
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"rows": []}')
+    good = tmp_path / "L2.json"
+    good.write_text(
+        json.dumps(
+            _profiled(2, {"fmoe_graphs": {}, "fmoe_fp8_graphs": {}}, {"fmoe_graphs": 1, "fmoe_fp8_graphs": 1})
+        )
+    )
+    with pytest.raises(SystemExit) as e:
+        per_layer_kernels.main([str(good), str(bad)])
+    assert e.value.code == 2 and "notes.json: not a train_throughput record" in capsys.readouterr().err

@@ -15,6 +15,8 @@
 #                                                # a change, BF16 beside them, and the FP8 GPU tests
 #   OUT=/tmp/out benchmarks/run_h200.sh layers   # the GPU tier, then each kernel's ms per layer (BF16 and FP8
 #                                                # Qwen3 steps at two layer counts) and the FP8 bound
+#   OUT=/tmp/out benchmarks/run_h200.sh e2e      # issue 26's end-to-end rows: the 4-layer Qwen3 step at
+#                                                # 8 x 1 and 8 x 2 x 4096, BF16 and FP8 side by side
 #   OUT=/tmp/out benchmarks/run_h200.sh deepgemm DIR [FAMILY]  # DeepGEMM beside fmoe's FP8 GEMMs: build
 #                                                # the DeepGEMM checkout DIR (submodules in, no network
 #                                                # there), compile its JIT kernels in parallel, time them
@@ -118,6 +120,13 @@ layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP
     RUNS+=("$OUT/layers_L$L.json")
   done
   python3 -m benchmarks.per_layer_kernels "${RUNS[@]}" --out "$OUT/per_layer.json"
+  ;;
+e2e)  # 8 x 2 x 4096 FP8 needs more than an H100's 80 GB (79.6 GB on an H200, 2026-12-04)
+  for MB in 1 2; do
+    rm -f "$OUT/e2e_8x$MB.json"
+    timeout 200 python3 -m benchmarks.train_throughput --layers 4 --microbatches 8 --micro-batch $MB --steps 5 \
+      --warmup 3 --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/e2e_8x$MB.json" 2>&1 | grep -E "ms/step|Error"
+  done
   ;;
 stall)  # then the tier's tests and the before/after step, as far as the call's time allows
   timeout 400 python3 -m benchmarks.bench_checkpoint_stall --out "$OUT/checkpoint_stall_h200.json" 2>&1 | tail -25

@@ -121,7 +121,7 @@ layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP
   done
   python3 -m benchmarks.per_layer_kernels "${RUNS[@]}" --out "$OUT/per_layer.json"
   ;;
-e2e)  # 8 x 2 x 4096 FP8 needs more than an H100's 80 GB (79.6 GB on an H200, 2026-12-04)
+e2e)  # 8 x 2 x 4096 fits an H100 now (FP8 peak 70.6 GB, BF16 73.9: issue26_session_2026-12-07_h100.json)
   for MB in 1 2; do
     rm -f "$OUT/e2e_8x$MB.json"
     timeout 200 python3 -m benchmarks.train_throughput --layers 4 --microbatches 8 --micro-batch $MB --steps 5 \

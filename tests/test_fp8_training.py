@@ -15,7 +15,7 @@ from fmoe import runner
 from fmoe import stage as S
 from fmoe.kernels import _triton, fp8_gemm
 from fmoe.stages import fp8_mode, primitives
-from fmoe.stages.primitives import fp8_training, grouped_linear, linear
+from fmoe.stages.primitives import DenseWeightGrad, fp8_training, grouped_linear, linear
 from fmoe.stages.spec import Stage, StageContext
 
 
@@ -133,6 +133,10 @@ def test_fp8_linear_b_quantizes_dy_once_and_w_keeps_its_fp8_form(kernels, monkey
     w_fp8 = fp8_quant.quantize_weight(w)
     assert torch.equal(dx, fp8_linear.fp8_linear_input_grad(dy, w_fp8))
     assert torch.equal(dw, fp8_linear.fp8_linear_weight_grad(x, dy, out_dtype=w.dtype))
+    # the FP8 form carries no dtype of its own: a W entry made without the gradient's is refused
+    for bad in (dict(fp8=True), dict(fp8=False, out_dtype=w.dtype)):
+        with pytest.raises(ValueError, match="DenseWeightGrad: a dy quantized in FP8 needs"):
+            DenseWeightGrad(compute.x, compute.dy, **bad)
 
 
 def test_fp8_grouped_linear_b_and_w_agree_within_the_fp8_bound_with_an_empty_expert():

@@ -235,8 +235,13 @@ class DenseWeightGrad:
     x: Tensor | Fp8ActT
     dy: Tensor | Fp8ActT
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
-    out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's (must be given
-    # where dy is an Fp8ActT)
+    out_dtype: torch.dtype | None = None  # of the gradient (FP8 only); None: dy's
+
+    def __post_init__(self):
+        if not isinstance(self.dy, Tensor) and not (self.fp8 and self.out_dtype is not None):
+            raise ValueError(
+                "DenseWeightGrad: a dy quantized in FP8 needs fp8=True and the gradient's out_dtype"
+            )
 
     def __call__(self) -> Tensor:
         if self.fp8:

@@ -15,6 +15,8 @@
 #                                                # a change, BF16 beside them, and the FP8 GPU tests
 #   OUT=/tmp/out benchmarks/run_h200.sh layers   # the GPU tier, then each kernel's ms per layer (BF16 and FP8
 #                                                # Qwen3 steps at two layer counts) and the FP8 bound
+#   OUT=/tmp/out benchmarks/run_h200.sh variants [SIDES] # Qwen3 steps at two layer counts: BF16, FP8, and FP8
+#                                                # with its dense / expert / all weight gradients in BF16
 #   OUT=/tmp/out benchmarks/run_h200.sh e2e      # issue 26's end-to-end rows: the 4-layer Qwen3 step at
 #                                                # 8 x 1 and 8 x 2 x 4096, BF16 and FP8 side by side
 #   OUT=/tmp/out benchmarks/run_h200.sh deepgemm DIR [FAMILY]  # DeepGEMM beside fmoe's FP8 GEMMs: build
@@ -120,6 +122,18 @@ layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP
     RUNS+=("$OUT/layers_L$L.json")
   done
   python3 -m benchmarks.per_layer_kernels "${RUNS[@]}" --out "$OUT/per_layer.json"
+  ;;
+variants)  # which FP8 weight gradients pay on the current code: BF16, FP8, and FP8 with the dense / expert /
+  # all weight gradients in BF16 (fp8_dense_wgrad, fp8_expert_wgrad), side by side at two layer counts (LAYERS
+  # as in `layers`); MB=2 for 8 x 2 x 4096 tokens a step
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  [ "$MEM" -gt 100000 ] && DEFAULT="4 8" || DEFAULT="2 4"
+  SIDES=fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16w_graphs,fmoe_fp8_bf16ew_graphs,fmoe_fp8_bf16allw_graphs
+  for L in ${LAYERS:-$DEFAULT}; do
+    rm -f "$OUT/variants_L$L.json"
+    timeout 290 python3 -m benchmarks.train_throughput --layers $L --microbatches 8 --micro-batch ${MB:-1} \
+      --steps 3 --warmup 3 --sides ${2:-$SIDES} --out "$OUT/variants_L$L.json" 2>&1 | grep -E "ms/step|Error"
+  done
   ;;
 e2e)  # 8 x 2 x 4096 fits an H100 now (FP8 peak 70.6 GB, BF16 73.9: issue26_session_2026-12-07_h100.json)
   for MB in 1 2; do

@@ -18,6 +18,7 @@ own code - and keeps its traceback (exit status 1), which ends where it was rais
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -146,6 +147,8 @@ def _plan_policy(memory, args: argparse.Namespace):
 def _shown_layout(args, recipe, choices, limit, pick):
     """The layout whose ranks ``fmoe plan`` prints: --layout's, else the recipe's if it fits, else
     the best that does, else the recipe's (to see why not)."""
+    from fmoe import plan_text
+
     if args.layout:
         try:
             sizes = tuple(int(v) for v in args.layout.split(","))
@@ -154,7 +157,7 @@ def _shown_layout(args, recipe, choices, limit, pick):
         if len(sizes) != 4:
             raise UsageError(f"--layout must be PP,DP,CP,EP (four integers), got {args.layout!r}")
         if sizes not in [c.plan.sizes for c in choices]:
-            raise UsageError(f"--layout {args.layout}: not a layout of {args.nproc} processes this recipe can run "
+            raise UsageError(f"--layout {args.layout}: not a layout of {plan_text.processes(args.nproc)} this recipe can run "
                              f"(see the list without --layout)")  # fmt: skip
         return pick(sizes)
     p = recipe.parallel
@@ -186,7 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     choices = plan_policy.choose_layouts(recipe, model, shapes, args.nproc, limit,
                                          supports_cp=fam.supports_context_parallel, **options)  # fmt: skip
     if not choices:
-        raise RecipeError(f"{args.recipe}: no layout of {args.nproc} processes suits the recipe's sizes "
+        raise RecipeError(f"{args.recipe}: no layout of {plan_text.processes(args.nproc)} suits the recipe's sizes "
                          f"(train.global_batch, train.microbatches, model.num_experts, parallel.schedule)")  # fmt: skip
     shown = _shown_layout(
         args,
@@ -202,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     who = "memory.policy = 'auto': each layout's fastest policy that fits" if policy.policy == "auto" else (
         plan_text.policy_text(policy))  # fmt: skip
     print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
-          f"{recipe.train.dtype} compute, {args.nproc} processes, {limit_text}, "
+          f"{recipe.train.dtype} compute, {plan_text.processes(args.nproc)}, {limit_text}, "
           f"gathers {'per parallel.gather' if working_set is None else working_set.value}, {who}")  # fmt: skip
     print(f"layouts ({len(fit)} of {len(choices)} fit{'; those that fit' if args.fitting else ''}), fewest idle "
           f"first; time: the policy's modelled extra time per layer (fmoe.plan_time):")  # fmt: skip
@@ -292,22 +295,34 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        # data and schedule own their argument parsing
-        if argv and argv[0] == "data":
-            from fmoe import data
-
-            return data.main(argv[1:])
-        if argv and argv[0] == "schedule":
-            from fmoe.schedules import cli
-
-            return cli.main(argv[1:])
-        args = parser().parse_args(argv)
-        return args.fn(args)
+        code = _run(argv)
+        sys.stdout.flush()  # a reader that went away is met here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`fmoe plan ... | head`): not bad input, nothing to say; stdout is
+        # pointed at devnull so that the interpreter's last flush does not raise again
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout with no descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as a writer killed by SIGPIPE
     except Exception as e:
         if not is_bad_input(e, argv[0] if argv else ""):
             raise  # a bug, fmoe's or in a family's own code: its traceback says where
         print(f"fmoe: error: {error_line(e)}", file=sys.stderr)
         return 2
+
+
+def _run(argv: list[str]) -> int:
+    # data and schedule own their argument parsing
+    if argv and argv[0] == "data":
+        from fmoe import data
+
+        return data.main(argv[1:])
+    if argv and argv[0] == "schedule":
+        from fmoe.schedules import cli
+
+        return cli.main(argv[1:])
+    args = parser().parse_args(argv)
+    return args.fn(args)
 
 
 def is_bad_input(e: BaseException, command: str) -> bool:

@@ -38,7 +38,7 @@ def check_sizes(
     if pp * dp * cp * ep != world:
         raise MeshError(
             f"parallel.pp x dp x cp x ep = {pp} x {dp} x {cp} x {ep} = {pp * dp * cp * ep}, but the job has "
-            f"{world} processes: change the sizes or torchrun's --nproc-per-node"
+            f"{world} process{'' if world == 1 else 'es'}: change the sizes or torchrun's --nproc-per-node"
         )
     if microbatches is not None and schedule in ("dualpipev", "dualpipe") and microbatches < 2 * pp:
         raise MeshError(

@@ -28,6 +28,11 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def processes(n: int) -> str:
+    """``n`` with its noun: "1 process", "8 processes"."""
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def human(n: float) -> str:
     """Bytes as MiB below 1 GiB, else GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"

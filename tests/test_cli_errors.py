@@ -188,3 +188,19 @@ def test_a_bug_is_a_traceback_not_a_line(tmp_path, dataset, capsys, monkeypatch)
     with pytest.raises(KeyError, match="a bug"):
         cli.main(["train", str(path)])
     assert capsys.readouterr().err == ""
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    """`fmoe plan ... | head`: the pipe's reader is gone before fmoe writes - no error line, no
+    traceback, the status of a writer killed by SIGPIPE (not bad input's 2)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "fmoe", "plan", str(root / "recipes" / "tiny.toml"), "--nproc", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=root)
+    proc.stdout.close()  # before the child has imported torch, let alone planned: its write must fail
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == "", err

@@ -123,11 +123,12 @@ def fp8_training(
     FP8 (at a few thousand tokens per microbatch the projections' GEMMs are too small to gain).
     ``dense_wgrad=False`` keeps the dense linears' forward and input-gradient GEMMs in FP8 but runs
     their weight gradient in the compute dtype, on the input kept in it: no token-wise quantization
-    of x and dy, which at a few thousand tokens per micro-batch costs more than the FP8 GEMM saves
-    (``benchmarks/results/fp8_gemms_h200.json``); the gradient is then that of the compute dtype.
-    ``expert_wgrad=False`` does the same for the experts' (``grouped_linear``) weight gradients: the
-    merged BF16 grouped GEMM over a step's rows beats the FP8 one once the token-wise quantization of
-    x and dy is counted (``benchmarks/bench_fp8.py --parts merge``); no expert input is cached then.
+    of x and dy, which at a few thousand tokens per micro-batch can cost more than the FP8 GEMM saves
+    (a DeepSeek-V3-16B step 1.5% faster, a Qwen3 one level: ``benchmarks/results/
+    issue26_variants_2026-12-07_h100.json``); the gradient is then that of the compute dtype.
+    ``expert_wgrad=False`` does the same for the experts' (``grouped_linear``) weight gradients (the
+    merged BF16 grouped GEMM over a step's rows, on a gathered copy of them: 1-2.5% slower a step
+    than FP8 reading the rows where they lie, same file); no expert input is cached then.
     cache_inputs / cache_expert_inputs: ``linear`` / ``grouped_linear`` keep their input in the FP8
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the
     module docstring). Expert inputs only where no micro-batch's expert W is merged with another's

@@ -298,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{out}: {out.stat().st_size:,} bytes")
         else:
             print(train_tokenizer(args.inputs, args.vocab_size, args.out))
+    except BrokenPipeError:
+        raise  # the reader went away: not bad input (fmoe.cli ends quietly)
     except (ValueError, OSError) as e:  # bad input: one line naming the file, as the rest of the CLI
         print(f"fmoe: error: {e}", file=sys.stderr)
         return 2

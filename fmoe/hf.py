@@ -359,6 +359,8 @@ def import_hf(folder: str | Path, family_name: str | None = None) -> tuple[str, 
 
 def _read_hf_config(config_path: Path) -> dict[str, Any]:
     """config.json as a dict; FileNotFoundError when missing, HFError when not a JSON object."""
+    if not config_path.parent.is_dir():
+        raise FileNotFoundError(f"{config_path.parent}: no such Hugging Face folder")
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: no config.json in the Hugging Face folder")
     try:

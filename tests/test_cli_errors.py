@@ -153,6 +153,17 @@ def test_an_unreadable_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch)
     assert_one_line_error(code, err, str(tmp_path / "hf" / "config.json"), "Permission denied")
 
 
+def test_a_missing_hf_folder_is_named_as_the_folder(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for folder, says in (
+        (tmp_path / "nothere", "no such Hugging Face folder"),
+        (tmp_path / "empty", "no config.json"),
+    ):
+        code, err = run_cli(["checkpoint", "import-hf", str(folder), "--out", str(tmp_path / "c")], capsys)
+        assert_one_line_error(code, err, str(folder), says)
+    assert not (tmp_path / "c").exists()
+
+
 def test_the_recipes_timeout_reaches_the_step(tmp_path, dataset, monkeypatch):
     seen: list[float] = []
     step = parallel.parallel_step

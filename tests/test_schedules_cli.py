@@ -68,6 +68,17 @@ def test_bad_input_gives_one_line_errors(tmp_path, capsys):
         assert err.startswith("fmoe: error: ") and message in err and len(err.splitlines()) == 1, (argv, err)
 
 
+def test_an_output_in_a_missing_folder_is_refused_before_any_output(tmp_path, capsys):
+    show = ["show", "1f1b", "--pp", "2", "--microbatches", "4"]
+    for flag in ("--png", "--csv"):
+        path = tmp_path / "no-such-folder" / "out"
+        assert main([*show, flag, str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "", flag  # not the whole table first, then the error
+        assert err.startswith(f"fmoe: error: {flag} {path}:") and len(err.splitlines()) == 1, err
+        assert not path.parent.exists()
+
+
 def test_help_returns_zero(capsys):
     assert main(["show", "--help"]) == 0
     assert "--microbatches" in capsys.readouterr().out

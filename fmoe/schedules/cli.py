@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .generators import GENERATORS, generate
 from .render import ascii_timeline, figures, save_png
@@ -87,6 +88,9 @@ def main(argv: list[str]) -> int:
         costs = parse_costs(args.costs)
         if args.width < 20:
             raise ScheduleError(f"--width must be >= 20, got {args.width}")
+        for flag, path in (("--csv", args.csv if args.cmd == "show" else None), ("--png", args.png)):
+            if path and not Path(path).resolve().parent.is_dir():  # before any output, not after the table
+                raise ScheduleError(f"{flag} {path}: its folder {Path(path).resolve().parent} does not exist")
         if args.cmd == "show":
             options = {} if args.chunks is None else {"chunks": args.chunks}
             s = generate(args.name, args.pp, args.microbatches, **options)
@@ -109,6 +113,8 @@ def main(argv: list[str]) -> int:
         elif e.message:
             print(e.message, end="")
         return e.code
+    except BrokenPipeError:
+        raise  # the reader went away: not bad input (fmoe.cli ends quietly)
     except (ScheduleError, OSError) as e:
         print(f"fmoe: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

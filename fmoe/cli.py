@@ -206,7 +206,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan_text.policy_text(policy))  # fmt: skip
     print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
           f"{recipe.train.dtype} compute, {plan_text.processes(args.nproc)}, {limit_text}, "
-          f"gathers {'per parallel.gather' if working_set is None else working_set.value}, {who}")  # fmt: skip
+          f"gathers {_gathers_text(recipe, working_set)}, {who}")  # fmt: skip
     print(f"layouts ({len(fit)} of {len(choices)} fit{'; those that fit' if args.fitting else ''}), fewest idle "
           f"first; time: the policy's modelled extra time per layer (fmoe.plan_time):")  # fmt: skip
     for line in plan_text.table_lines([c.plan for c in listed], limit, listed):
@@ -216,6 +216,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for line in plan_text.rank_lines(shown.plan):
         print("  " + line)
     return 0
+
+
+def _gathers_text(recipe, working_set) -> str:
+    """How the planned steps gather their parameters, for the plan's header."""
+    if working_set is not None:
+        return working_set.value
+    return "once a step (train.fp8: FP8 steps do)" if recipe.train.fp8 else "per parallel.gather"
 
 
 def _plan_arguments(pl: argparse.ArgumentParser) -> None:

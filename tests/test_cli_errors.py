@@ -215,3 +215,13 @@ def test_a_reader_that_goes_away_ends_the_output_quietly():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert err == "", err
+
+
+def test_the_plans_header_says_fp8_steps_gather_once_a_step(capsys):
+    from pathlib import Path
+
+    tiny = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml")
+    for fp8, says in (("false", "gathers per parallel.gather"), ("true", "gathers once a step (train.fp8")):
+        assert cli.main(["plan", tiny, "--nproc", "1", "--set", f"train.fp8={fp8}"]) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.startswith("memory plan of") and says in header, header

@@ -204,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit_text = "no device limit" if limit is None else f"{plan_text.human(limit)} per device"
     who = "memory.policy = 'auto': each layout's fastest policy that fits" if policy.policy == "auto" else (
         plan_text.policy_text(policy))  # fmt: skip
-    print(f"memory plan of {args.recipe}: {recipe.model_family}, {params / 1e9:.3g}B parameters, "
+    print(f"memory plan of {args.recipe}: {recipe.model_family}, {plan_text.count(params)} parameters, "
           f"{recipe.train.dtype} compute, {plan_text.processes(args.nproc)}, {limit_text}, "
           f"gathers {_gathers_text(recipe, working_set)}, {who}")  # fmt: skip
     print(f"layouts ({len(fit)} of {len(choices)} fit{'; those that fit' if args.fitting else ''}), fewest idle "

@@ -33,6 +33,14 @@ def processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
+def count(n: int) -> str:
+    """A parameter count in three digits with its unit: "30.5B", "1.05M", "262K"."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def human(n: float) -> str:
     """Bytes as MiB below 1 GiB, else GiB."""
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"

@@ -56,7 +56,7 @@ class TrainConfig:
     # in it; no token-wise quantization of the input and output gradient: 1.5% faster a step at
     # DeepSeek-V3-16B shapes, level at Qwen3's, benchmarks/results/issue26_variants_2026-12-07_h100.json)
     fp8_dense_wgrad: bool = True
-    # with fp8: the experts' weight gradients in FP8 too (False: in the compute dtype, 1-2.5% slower a
+    # with fp8: the experts' weight gradients in FP8 too (False: in the compute dtype, 0.8-2.4% slower a
     # step at both families' shapes, same file)
     fp8_expert_wgrad: bool = True
     # steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run

@@ -127,7 +127,7 @@ def fp8_training(
     (a DeepSeek-V3-16B step 1.5% faster, a Qwen3 one level: ``benchmarks/results/
     issue26_variants_2026-12-07_h100.json``); the gradient is then that of the compute dtype.
     ``expert_wgrad=False`` does the same for the experts' (``grouped_linear``) weight gradients (the
-    merged BF16 grouped GEMM over a step's rows, on a gathered copy of them: 1-2.5% slower a step
+    merged BF16 grouped GEMM over a step's rows, on a gathered copy of them: 0.8-2.4% slower a step
     than FP8 reading the rows where they lie, same file); no expert input is cached then.
     cache_inputs / cache_expert_inputs: ``linear`` / ``grouped_linear`` keep their input in the FP8
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the

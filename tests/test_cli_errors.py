@@ -226,3 +226,4 @@ def test_the_plans_header_says_fp8_steps_gather_once_a_step(capsys):
         header = capsys.readouterr().out.splitlines()[0]
         assert header.startswith("memory plan of") and says in header, header
         assert "qwen3_moe, 1.05M parameters," in header, header  # not "0.00105B"
+        assert ", 1 process," in header, header  # not "1 processes"

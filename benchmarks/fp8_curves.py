@@ -32,6 +32,7 @@ from benchmarks.train_throughput import SHAPE, TINY
 from fmoe import data, optim, runner
 from fmoe.lr_schedules import warmup_cosine
 from fmoe.stages import qwen3_moe
+from fmoe.stages.fp8_mode import quantized_from_master
 from fmoe.stages.primitives import fp8_training
 
 BYTE_VOCAB = 512  # the bytes tokenizer's 257 ids, padded
@@ -54,13 +55,16 @@ def train(cfg, ds, *, fp8: bool, args, device: str) -> list[float]:
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(lr, 0.9, 0.95, 1e-8, 0.1))
     opt = tx.init(params)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # as fmoe train: an FP8 step reads its expert weights' fp32 masters, with no bf16 copy of them
+    shapes = {n: tuple(t.shape) for n, t in params.items()}
+    masters = quantized_from_master(shapes, model.expert_params) if fp8 else frozenset()
     stream = data.batches(ds, seq=args.seq, global_batch=args.batch, micro_batch=1, seed=0)
     losses = []
     t0 = time.perf_counter()
     for step in range(args.steps):
         batch = next(stream)
         tokens, labels = (t.view(-1, args.seq).to(device) for t in (batch.tokens, batch.labels))
-        compute = {n: t.to(dtype) for n, t in params.items()}
+        compute = {n: t if n in masters else t.to(dtype) for n, t in params.items()}
         with fp8_training(fp8):
             out = runner.run_sequential(model, compute, {"tokens": tokens, "labels": labels}, args.batch)
         del compute

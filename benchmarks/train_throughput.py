@@ -176,6 +176,8 @@ FMOE_VARIANTS = {
     "fmoe_graphs": {"cuda_graphs": True},
     "fmoe_fp8_graphs": {"fp8": True, "cuda_graphs": True},
     "fmoe_fp8_experts_graphs": {"fp8": True, "fp8_dense": False, "cuda_graphs": True},
+    # FP8 with every weight cast to bf16 first, the experts' too (before fp8_mode.quantized_from_master)
+    "fmoe_fp8_castall_graphs": {"fp8": True, "fp8_masters": False, "cuda_graphs": True},
     # FP8 forward and input-gradient GEMMs everywhere, the projections' weight gradients in bf16
     "fmoe_fp8_bf16w_graphs": {"fp8": True, "fp8_dense_wgrad": False, "cuda_graphs": True},
     # ... and the experts' weight gradients in bf16 (FP8 forward and input gradient for them too)
@@ -306,21 +308,28 @@ def fmoe_step_fn(
     fp8_dense: bool = True,
     fp8_dense_wgrad: bool = True,
     fp8_expert_wgrad: bool = True,
+    fp8_masters: bool = True,
     cuda_graphs: bool = False,
     memory: MemoryPolicy | None = None,
     family=qwen3_moe.FAMILY,
 ):
     from fmoe.cuda_graphs import GraphedStep
     from fmoe.stages import layers
+    from fmoe.stages.fp8_mode import quantized_from_master
     from fmoe.stages.primitives import fp8_training
 
     model = family.build(cfg)
     params = model.init(seed=0, dtype=torch.float32, device=device)
     tx = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-4, 0.9, 0.95, 1e-8, 0.1))
     state = {"opt": tx.init(params), "params": params}
+    # as fmoe train on one process: an FP8 step reads its expert weights' fp32 masters (no bf16 copy)
+    shapes = {n: tuple(t.shape) for n, t in params.items()}
+    masters = quantized_from_master(shapes, model.expert_params) if fp8 and fp8_masters else frozenset()
 
     def pure_step(p, opt, tokens, labels, micro_batch: int):
-        compute = p if dtype == torch.float32 else {n: t.to(dtype) for n, t in p.items()}
+        compute = (
+            p if dtype == torch.float32 else {n: t if n in masters else t.to(dtype) for n, t in p.items()}
+        )
         unfused = contextlib.nullcontext() if fused_blocks else _blocks_unfused(layers)
         microbatches, policy = tokens.shape[0] // micro_batch, memory or MemoryPolicy()
         fp8_mode = fp8_training(  # with the policy's FP8 input caching, as fmoe train

@@ -44,7 +44,8 @@ def gather_params(
     uncast: Collection[str] = (),
 ) -> dict[str, Tensor]:
     """All-gather the shards into this rank's full (ep-local) parameters, cast to ``dtype`` but for
-    the names in ``uncast`` (a model's buffers, whose small updates a bf16 copy would round away)."""
+    the names in ``uncast`` (a model's buffers, whose small updates a bf16 copy would round away; an
+    FP8 step's expert weights, read only through their FP8 copies)."""
     pending = []
     for name, shard in shards.items():
         info = infos[name]

@@ -47,6 +47,7 @@ from fmoe.schedules.simulator import simulate
 from fmoe.schedules.table import Schedule, ScheduleError
 from fmoe.schedules.verify import validate
 from fmoe.sharding import ShardInfo, planned_layout
+from fmoe.stages.fp8_mode import quantized_from_master
 from fmoe.stages.spec import Model
 from fmoe.working_set import gathered_working_set_bytes
 
@@ -106,8 +107,8 @@ def optimizer_bytes(infos: Mapping[str, ShardInfo]) -> int:
 
 def _gathered_bytes(info: ShardInfo, compute_bytes: int, uncast: bool) -> int:
     """Bytes ``collectives.gather_params`` makes for one parameter: a buffer of the padded shards in
-    the compute dtype (fp32 for a buffer); nothing when the group is one rank and no cast is made
-    (the shard itself is used)."""
+    the compute dtype (fp32 where ``uncast``: a buffer, or an FP8 step's expert weight); nothing when
+    the group is one rank and no cast is made (the shard itself is used)."""
     element = FP32 if uncast else compute_bytes
     if info.size > 1:
         return info.padded_numel * element
@@ -323,7 +324,10 @@ def _rank_state(
     infos = planned_layout(model, mesh, shapes, names)
     w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
     if working_set is WorkingSet.STEP:
-        gathered = sum(_gathered_bytes(i, e, n in buffers) for n, i in infos.items())
+        # an FP8 step makes no compute-dtype copy of the expert weights it holds whole
+        whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if t.fp8 else {}
+        uncast = buffers | quantized_from_master(whole, model.expert_params)
+        gathered = sum(_gathered_bytes(i, e, n in uncast) for n, i in infos.items())
         if t.fp8:  # the FP8 copies of the gathered weights (FP8 steps gather once a step)
             gathered += fp8_weight_bytes({n: i for n, i in infos.items() if n not in buffers}, t.fp8_dense)
         grads = step_grads_bytes(infos, e, dp, cp, ep, buffers)

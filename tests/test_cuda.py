@@ -469,14 +469,19 @@ def test_bf16_training_step_matches_float32_and_is_bitwise_reproducible():
     assert _global_rel(got.grads, ref.grads) < 2**-4
 
 
-def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypatch):
+@pytest.mark.parametrize("masters", [False, True], ids=["bf16_weights", "fp32_expert_masters"])
+def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypatch, masters):
+    # masters: the expert weights handed over as fp32, as the trainer does (quantized_from_master)
     from fmoe import runner
     from fmoe.kernels import fp8_linear
+    from fmoe.stages.fp8_mode import quantized_from_master
     from fmoe.stages.primitives import fp8_training
 
     cfg, model, batch = _gpu_model()
     p32 = model.init(seed=0, dtype=torch.float32, device="cuda")
     p16 = {n: t.to(torch.bfloat16) for n, t in p32.items()}
+    fp32 = quantized_from_master({n: t.shape for n, t in p32.items()}, model.expert_params) if masters else ()
+    p_fp8 = {**p16, **{n: p32[n] for n in fp32}}
     bf16 = runner.run_sequential(model, p16, batch, num_microbatches=2)
     launches = []
     real = fp8_linear.fp8_gemm_nt
@@ -487,8 +492,9 @@ def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypat
 
     monkeypatch.setattr(fp8_linear, "fp8_gemm_nt", counting)
     with fp8_training():
-        fp8 = runner.run_sequential(model, p16, batch, num_microbatches=2)
+        fp8 = runner.run_sequential(model, p_fp8, batch, num_microbatches=2)
     assert launches and all(launches), "no FP8 GEMM ran on the GPU"
+    assert not masters or (fp32 and all(fp8.grads[n].dtype == torch.bfloat16 for n in fp32))
     # E4M3 operands are off by <= 2^-4 relative each; over sums of hundreds of terms the errors
     # average (random signs), and the loss moves by far less than one rounding: 2^-6 on the loss,
     # 2^-2 on the gradients as one vector.

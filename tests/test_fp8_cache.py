@@ -197,6 +197,33 @@ def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
     assert all(torch.equal(out[True].grad_shards[n], g) for n, g in out[False].grad_shards.items())
 
 
+def test_the_trainer_step_quantizes_the_expert_weights_from_their_fp32_master_shards(monkeypatch):
+    """One process, FP8: the stacked expert weights reach the stages as the fp32 master shards
+    themselves (no bf16 copy, ``fp8_mode.quantized_from_master``) and are quantized from there;
+    every other weight from its bf16 copy; every gradient comes back in bf16 all the same."""
+    from fmoe.stages import fp8_mode
+
+    model, mesh, infos, shards, batch = one_process(fp8_config())
+    seen = []  # (dtype, storage) of each weight quantized
+    real = fp8_mode._quantize_weight
+    monkeypatch.setattr(
+        fp8_mode,
+        "_quantize_weight",
+        lambda w: seen.append((w.dtype, w.untyped_storage().data_ptr())) or real(w),
+    )
+    out = parallel.parallel_step(model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True)
+    experts = {n for n in model.expert_params if len(infos[n].full_shape) == 3}
+    assert len(experts) == 2  # the MoE layer's gate_up and down
+    master_storage = {shards[n].untyped_storage().data_ptr() for n in experts}
+    assert {p for d, p in seen if d == torch.float32} == master_storage
+    # bf16: q, k, v, o of both layers and the dense MLP's gate, up and down (layer 0)
+    assert (
+        sum(d == torch.float32 for d, _ in seen) == 2
+        and sum(d == torch.bfloat16 for d, _ in seen) == 2 * 4 + 3
+    )
+    assert {g.dtype for g in out.grad_shards.values()} == {torch.bfloat16}
+
+
 def test_the_trainer_step_runs_the_dense_wgrad_in_bf16_from_the_recipe(monkeypatch):
     # train.fp8_dense_wgrad = false reaches parallel_step: nothing dense is cached, the dense
     # weight gradients change and the experts' do not (their W is FP8 either way)
@@ -584,4 +611,9 @@ def test_the_plan_counts_the_fp8_weight_copies_in_gathered():
         for fp8 in (False, True)
     }  # fmt: skip
     infos = sharding.layout(model, build_mesh(1, 1, 1, 1), shapes, list(shapes))
-    assert gathered[True] - gathered[False] == plan.fp8_weight_bytes(infos, True) > 0
+    # and no bf16 copy of the stacked expert weights, which the step hands over as the fp32 masters
+    experts_bf16 = sum(
+        2 * math.prod(s) for n, s in shapes.items() if n in model.expert_params and len(s) == 3
+    )
+    assert experts_bf16 > 0
+    assert gathered[True] - gathered[False] == plan.fp8_weight_bytes(infos, True) - experts_bf16

@@ -123,6 +123,32 @@ def test_fused_experts_give_the_bits_of_the_composition(
         assert counted["fused"][1].count(tile) == 1 and counted["composed"][1].count(tile) == 4
 
 
+@pytest.mark.parametrize("backend,fp8_wgrad", [("torch", True), ("torch", False), ("triton", True)])
+def test_fused_experts_on_fp32_master_weights_give_the_compositions_bits_and_bf16_gradients(
+    monkeypatch, backend, fp8_wgrad
+):
+    # what an FP8 trainer step hands over (fp8_mode.quantized_from_master): the experts' fp32 masters,
+    # quantized from fp32; W's gradients still come out in the compute dtype (dy's), as the cast
+    # weights' do, and differ from theirs (one rounding of the weights, not two)
+    _use(backend, monkeypatch)
+    x, w1, w2, offs, dy = _inputs()
+    g = torch.Generator().manual_seed(5)
+    w1, w2 = (w.float() + torch.randn(w.shape, generator=g) * 1e-4 for w in (w1, w2))  # not bf16 values
+    out = {}
+    for name, fn, weights in (
+        ("composed", _composed, (w1, w2)),
+        ("fused", primitives.fp8_swiglu_experts, (w1, w2)),
+        ("fused_bf16", primitives.fp8_swiglu_experts, (w1.bfloat16(), w2.bfloat16())),
+    ):
+        with fp8_training(True, expert_wgrad=fp8_wgrad):
+            out[name] = _run(fn, x, *weights, offs, dy, deferred=True)
+    for got, want, what in zip(out["fused"], out["composed"], ("y", "dx", "dw_gate_up", "dw_down", "W")):
+        assert got == want if what == "W" else torch.equal(got, want), what
+    y, dx, dw1, dw2, _ = out["fused"]
+    assert y.dtype == dx.dtype == dw1.dtype == dw2.dtype == torch.bfloat16
+    assert not torch.equal(y, out["fused_bf16"][0]), "the weights must be quantized from fp32 itself"
+
+
 def _gathered_inputs(top_k=2, seed=3, counts=COUNTS):
     """Tokens [T, H] and a routing whose slots, grouped by expert (dispatch's stable order), give
     ``counts``' ragged experts (COUNTS: an empty one included): (tokens, order [T*k] int64, offs

@@ -392,15 +392,27 @@ def fp8_step_bound(num_fp8_weights: int) -> float:
     return math.sqrt(3 * num_fp8_weights) * GEMM_RMS
 
 
-def assert_fp8_step_close_to_bf16(cfg, batch, microbatches: int, quantized: list, dense: bool = True) -> dict:
+def assert_fp8_step_close_to_bf16(
+    cfg, batch, microbatches: int, quantized: list, dense: bool = True, masters: bool = False
+) -> dict:
     """One step (run_sequential) of the model in BF16 and with FP8 GEMMs: the loss and every
-    gradient of the FP8 step within ``fp8_step_bound`` of the BF16 step's. Returns the errors."""
+    gradient of the FP8 step within ``fp8_step_bound`` of the BF16 step's. ``masters``: the FP8
+    step is handed the expert weights as their fp32 masters (``fp8_mode.quantized_from_master``, as
+    the trainer does), the BF16 step their bf16 copies. Returns the errors."""
     model = qwen3_moe_build(cfg)
-    params = {n: t.to(torch.bfloat16) for n, t in model.init(seed=0).items()}
+    master = model.init(seed=0)
+    params = {n: t.to(torch.bfloat16) for n, t in master.items()}
     bf16 = runner.run_sequential(model, params, batch, microbatches)
     assert not quantized
+    fp32 = fp8_mode.quantized_from_master({n: t.shape for n, t in master.items()}, model.expert_params)
+    fp8_params = {**params, **{n: master[n] for n in fp32}} if masters else params
     with fp8_training(True, dense=dense):
-        fp8 = runner.run_sequential(model, params, batch, microbatches)
+        fp8 = runner.run_sequential(model, fp8_params, batch, microbatches)
+    if masters:  # every expert weight of every MoE layer, its gradient in the compute dtype still
+        assert len(fp32) == 2 * cfg.num_hidden_layers
+        assert all(
+            fp8_params[n].dtype == torch.float32 and fp8.grads[n].dtype == torch.bfloat16 for n in fp32
+        )
     per_layer = (4 if dense else 0) + 2  # q, k, v, o (dims multiples of 128) and the two expert GEMMs
     assert len(quantized) == per_layer * cfg.num_hidden_layers, "every eligible weight runs in FP8, once"
     bound = fp8_step_bound(len(quantized))
@@ -428,12 +440,21 @@ def test_fp8_step_loss_and_grads_are_within_the_e4m3_bound_of_the_bf16_step(quan
           f"bound {fp8_step_bound(len(quantized_shapes)):.4f}")  # fmt: skip
 
 
+def test_an_fp8_step_on_the_experts_fp32_masters_is_within_the_e4m3_bound_of_the_bf16_step(quantized_shapes):
+    cfg = smooth_routing_config()
+    errors = assert_fp8_step_close_to_bf16(cfg, random_batch(cfg, 4, 16), 2, quantized_shapes, masters=True)
+    print(f"FP8 on fp32 expert masters vs BF16: worst gradient {max(errors.values()):.4f}")
+
+
+@pytest.mark.parametrize("masters", [False, True], ids=["bf16_weights", "fp32_expert_masters"])
 def test_fp8_training_step_with_the_triton_kernels_is_within_the_e4m3_bound_of_bf16(
-    triton_kernels, quantized_shapes
+    triton_kernels, quantized_shapes, masters
 ):
     # interpreted Triton is slow: one MoE layer, two experts, 16 tokens, one microbatch
     cfg = smooth_routing_config(vocab_size=64, num_experts=2, num_experts_per_tok=2, num_hidden_layers=1)
-    errors = assert_fp8_step_close_to_bf16(cfg, random_batch(cfg, 1, 16), 1, quantized_shapes)
+    errors = assert_fp8_step_close_to_bf16(
+        cfg, random_batch(cfg, 1, 16), 1, quantized_shapes, masters=masters
+    )
     # forward and input-gradient GEMM of each FP8 weight, and its weight-gradient GEMM, all Triton
     assert triton_kernels and set(triton_kernels) == {"triton"}, triton_kernels
     assert len(triton_kernels) == 3 * len(quantized_shapes), triton_kernels

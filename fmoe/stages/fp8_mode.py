@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,6 +66,7 @@ __all__ = [
     "fp8_training",
     "fp8_weight",
     "input_scope",
+    "quantized_from_master",
 ]
 
 _FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
@@ -201,6 +202,29 @@ def fp8_swiglu_expert_weights(x: Tensor, gate_up_w: Tensor, down_w: Tensor):
     up = _fp8_weight_for(x.shape[-1], gate_up_w, dense=False)
     down = _fp8_weight_for(inter, down_w, dense=False) if up is not None else None
     return None if down is None else (up, down)
+
+
+def quantized_from_master(
+    shapes: Mapping[str, Sequence[int]], expert_params: Collection[str]
+) -> frozenset[str]:
+    """The weights an FP8 step hands its stages as the fp32 masters, with no compute-dtype copy: the
+    stacked expert tensors [E, out, in] of ``shapes`` (those named in ``expert_params``) whose last
+    two dims are multiples of 128.
+
+    Their only users are the experts' grouped GEMMs, and inside ``fp8_training`` every one of those
+    reads the weight's FP8 copy (quantized once a step from whatever float dtype it is given), never
+    the weight itself. A bf16 copy would be written and read once, only to be quantized: 4 of the 10
+    bytes an element that casting and quantizing move, and 2 bytes an element held for the step
+    (Qwen3-30B-A3B: 1.2 GB a layer). Quantizing the fp32 value is also one rounding, not two. Their
+    weight gradients come out in the compute dtype (dy's), as the cast weights' do.
+
+    The caller passes only tensors it holds whole (a shard of one rank): a sharded one is gathered
+    anyway, and in the compute dtype that is half the bytes to move."""
+    return frozenset(
+        n
+        for n, shape in shapes.items()
+        if n in expert_params and len(shape) == 3 and shape[-1] % 128 == 0 and shape[-2] % 128 == 0
+    )
 
 
 def fp8_dense_wgrad() -> bool:

@@ -483,10 +483,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         )
         if not ctx.needs_input_grad[1]:
             return dx, None, None, None, None, None
-        # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads)
-        compute = GroupedWeightGrad(
-            x, dy, offs, ctx.weight.shape[0], fp8=ctx.fp8_wgrad, out_dtype=ctx.weight.dtype
-        )
+        # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads);
+        # in the compute dtype (dy's), also for a weight given as its fp32 master (quantized_from_master)
+        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=ctx.fp8_wgrad, out_dtype=dy.dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
             return dx, None, None, None, None, None
@@ -537,7 +536,8 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     FP8 rows of the gate/up gradient (the up GEMM's input-gradient operand) beside the bf16 gradient
     W reads; the four GEMMs of F and B walk one tile map. The bits are those of the composition
     (each FP8 operand is the quantization of the same bf16 values), the saved tensors the same, and
-    W gets the same two entries (down's, then up's, as B runs them).
+    W gets the same two entries (down's, then up's, as B runs them), their gradients in the compute
+    dtype (dy's) whatever dtype the weights come in (an fp32 master: ``fp8_mode.quantized_from_master``).
 
     With ``order`` (gathered), x is the tokens [T, H], the experts' rows are ``x[order // top_k]``
     and the output is in token-slot order, y[order[i]] = row i (``layers.unpermute_rows``' layout,
@@ -603,7 +603,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         grads = [None, None]  # gate_up_w's, down_w's
         if need_down:
             compute = GroupedWeightGrad(
-                a, dy, offs, E, fp8=ctx.fp8_wgrad, out_dtype=down_w.dtype, dy_rows=slot_rows
+                a, dy, offs, E, fp8=ctx.fp8_wgrad, out_dtype=dy.dtype, dy_rows=slot_rows
             )
             grads[1] = _record_or_compute(ctx.tapes[1], down_w, compute)
         dx = None
@@ -627,7 +627,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
                     dx = sum_slot_rows(dx, order, ctx.top_k)
             if need_up:
                 compute = GroupedWeightGrad(
-                    x, dgate_up, offs, E, fp8=ctx.fp8_wgrad, out_dtype=up_w.dtype, x_rows=x_rows
+                    x, dgate_up, offs, E, fp8=ctx.fp8_wgrad, out_dtype=dy.dtype, x_rows=x_rows
                 )
                 grads[0] = _record_or_compute(ctx.tapes[0], up_w, compute)
         return dx, grads[0], grads[1], None, None, None, None, None, None, None, None

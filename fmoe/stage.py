@@ -401,7 +401,8 @@ def _add_to_slice(
     if total is None:
         total = grads.get(name)
     if total is None:
-        total = grads[name] = torch.zeros_like(base)  # base's strides (a parameter is dense)
+        # base's strides (a parameter is dense), the GEMM's dtype (an fp32 master's is the compute dtype)
+        total = grads[name] = torch.zeros_like(base, dtype=compute.out_dtype or compute.dy.dtype)
     if total.shape == base.shape and total.stride() == base.stride():
         offset = total.storage_offset() + view.storage_offset() - base.storage_offset()
         region = total.as_strided(view.shape, view.stride(), offset)

@@ -226,10 +226,14 @@ def test_a_weight_computed_from_a_parameter_gets_its_gradient_in_b():
     assert rel(S.backward_weight(work)["a.w"], 2 * dy.t() @ x) <= TOL
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped_linear"])
-def test_fp8_gemms_on_views_of_a_fused_weight_land_in_their_slices(monkeypatch, grouped):
+@pytest.mark.parametrize("grouped,master", [(False, False), (True, False), (True, True)],
+                         ids=["linear", "grouped_linear", "grouped_linear_fp32_master"])  # fmt: skip
+def test_fp8_gemms_on_views_of_a_fused_weight_land_in_their_slices(monkeypatch, grouped, master):
     """The FP8 primitives' tape entries record the view too: W equals plain autograd of the same
-    FP8 function (the same quantized GEMMs, so bit for bit), and FP8 actually ran."""
+    FP8 function (the same quantized GEMMs, so bit for bit), and FP8 actually ran. master: bf16
+    activations on an fp32 expert weight (what an FP8 trainer step hands over,
+    ``fp8_mode.quantized_from_master``): the gradient comes out in bf16, each slice the bits of
+    autograd's (which widens it to the weight's fp32)."""
     monkeypatch.setenv("FMOE_KERNEL_BACKEND", "torch")
     gen = torch.Generator().manual_seed(6)
     offs = torch.tensor([64, 64, 128], dtype=torch.int32)
@@ -249,6 +253,8 @@ def test_fp8_gemms_on_views_of_a_fused_weight_land_in_their_slices(monkeypatch, 
     stage = Stage("f", fwd, ("f.w",), "f.")
     params = {"f.w": weight}
     x, dy = torch.randn(128, 128, generator=gen), torch.randn(128, 128, generator=gen)
+    if master:
+        x, dy = x.bfloat16(), dy.bfloat16()
     with fp8_training():
         (y8,), f = S.forward(stage, params, (x,), StageContext())
         _, work = S.backward_input(f, (dy,))
@@ -256,9 +262,11 @@ def test_fp8_gemms_on_views_of_a_fused_weight_land_in_their_slices(monkeypatch, 
         got = S.backward_weight(work)["f.w"]
         leaf = weight.clone().requires_grad_()
         (S.call(stage, {"f.w": leaf}, (x,), StageContext())[0] * dy).sum().backward()
-    assert torch.equal(got, leaf.grad)
-    (y,), _ = S.forward(stage, params, (x,), StageContext())
-    assert not torch.equal(y, y8), "the FP8 path must actually run"
+    assert got.dtype == (torch.bfloat16 if master else torch.float32)
+    assert torch.equal(got.float(), leaf.grad)
+    if not master:  # (bf16 activations on an fp32 weight run only as FP8 GEMMs)
+        (y,), _ = S.forward(stage, params, (x,), StageContext())
+        assert not torch.equal(y, y8), "the FP8 path must actually run"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,6 +31,11 @@ The FP8 SwiGLU experts (``primitives.fp8_swiglu_experts``, one Function for two 
 cache as those two would: x where ``cached_input`` says, SwiGLU's output where ``caches_made_input``
 says (its cached form then comes from ``swiglu_quant(with_t=True)``, and no bf16 copy is made).
 
+Weights from the masters. A stacked expert weight that a rank holds whole reaches the stages of an FP8
+step as its fp32 master, not a bf16 copy (``quantized_from_master`` names them; ``parallel`` and the
+benchmarks hand them over so): the FP8 copies are all that is read of it, quantized once from fp32,
+and its weight gradient comes out in the compute dtype (dy's) all the same.
+
 Within one F (``input_scope``, opened by ``defer_weight_grads``) an input read by several linears
 (q, k and v of one normed hidden state; gate and up of a dense MLP) is quantized once and its cached
 form shared, as the compute-dtype tensor was. The scope forgets everything when F ends.

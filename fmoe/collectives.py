@@ -22,6 +22,7 @@ from torch import Tensor
 from fmoe import dist as D
 from fmoe.mesh import Mesh
 from fmoe.sharding import ShardInfo
+from fmoe.stages.fp8_mode import quantized_from_master
 from fmoe.stages.spec import Model
 
 __all__ = [
@@ -31,9 +32,19 @@ __all__ = [
     "reduce_scatter_grads",
     "scaled_grad",
     "start_reduce",
+    "uncast_params",
     "world_sq_norm",
     "world_statistics",
 ]
+
+
+def uncast_params(model: Model, infos: Mapping[str, ShardInfo], fp8: bool) -> frozenset[str]:
+    """The names :func:`gather_params` hands over as fp32, uncast: the model's buffers and, in an FP8
+    step, the expert weights this rank holds whole (a shard of one rank: handed over as the master
+    itself, no copy; ``fp8_mode.quantized_from_master``). Only the buffers' gradients stay fp32: the
+    expert weights' come in the compute dtype (``reduce_dtype`` takes ``model.buffers``)."""
+    whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if fp8 else {}
+    return frozenset(model.buffers) | quantized_from_master(whole, model.expert_params)
 
 
 def gather_params(

@@ -42,7 +42,7 @@ step goes on). A rank's step is a list of executor steps (``GatherPlan``):
 it; every gradient reduced after the step's last W: the peak of plain data parallelism. FP8 steps
 use it (their weight cache, keyed by storage address, must not see a re-gathered weight), and hand
 the stages the expert weights a rank holds whole as the fp32 masters themselves, with no bf16 copy
-(``fp8_mode.quantized_from_master``: only their FP8 copies are read).
+(``collectives.uncast_params``: only their FP8 copies are read).
 
 The optimizer then updates shards (``fmoe.optim`` over the shard dicts, the global norm summed
 over the world, ``world_sq_norm``). Checkpoints hold the canonical, layout-free tensors
@@ -65,13 +65,12 @@ from torch import Tensor
 
 from fmoe import dist as D
 from fmoe import runner
-from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, world_statistics
+from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, uncast_params, world_statistics
 from fmoe.gather_plan import GatherPlan, UnitGathers, per_unit, step_gather_plan
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import Mesh
 from fmoe.sharding import ShardInfo
 from fmoe.stages.context_parallel import split_batch
-from fmoe.stages.fp8_mode import quantized_from_master
 from fmoe.stages.primitives import fp8_training
 from fmoe.stages.spec import Model, StageContext
 
@@ -192,10 +191,7 @@ def parallel_step(
         )
         grad_shards = gathers.finish(result.grads)
     else:
-        # an FP8 step's whole expert weights stay fp32: their FP8 copies are all that is read of them
-        whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if fp8 else {}
-        masters = quantized_from_master(whole, model.expert_params)
-        params = gather_params(shards, infos, mesh, dtype, uncast=frozenset(model.buffers) | masters)
+        params = gather_params(shards, infos, mesh, dtype, uncast=uncast_params(model, infos, fp8))
         policy = memory or MemoryPolicy()  # its FP8 input caching (``memory.fp8_cache``)
         with fp8_training(
             fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,

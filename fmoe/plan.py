@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fmoe import pipeline
+from fmoe.collectives import uncast_params
 from fmoe.gather_plan import per_unit
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import DIMS, Mesh, MeshError, check_sizes
@@ -47,7 +48,6 @@ from fmoe.schedules.simulator import simulate
 from fmoe.schedules.table import Schedule, ScheduleError
 from fmoe.schedules.verify import validate
 from fmoe.sharding import ShardInfo, planned_layout
-from fmoe.stages.fp8_mode import quantized_from_master
 from fmoe.stages.spec import Model
 from fmoe.working_set import gathered_working_set_bytes
 
@@ -324,9 +324,7 @@ def _rank_state(
     infos = planned_layout(model, mesh, shapes, names)
     w_bytes = {n: i.numel * (FP32 if n in buffers else e) for n, i in infos.items()}
     if working_set is WorkingSet.STEP:
-        # an FP8 step makes no compute-dtype copy of the expert weights it holds whole
-        whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if t.fp8 else {}
-        uncast = buffers | quantized_from_master(whole, model.expert_params)
+        uncast = uncast_params(model, infos, t.fp8)  # an FP8 step's whole expert weights too: no copy
         gathered = sum(_gathered_bytes(i, e, n in uncast) for n, i in infos.items())
         if t.fp8:  # the FP8 copies of the gathered weights (FP8 steps gather once a step)
             gathered += fp8_weight_bytes({n: i for n, i in infos.items() if n not in buffers}, t.fp8_dense)

@@ -402,7 +402,7 @@ def _add_to_slice(
         total = grads.get(name)
     if total is None:
         # base's strides (a parameter is dense), the GEMM's dtype (an fp32 master's is the compute dtype)
-        total = grads[name] = torch.zeros_like(base, dtype=compute.out_dtype or compute.dy.dtype)
+        total = grads[name] = torch.zeros_like(base, dtype=compute.grad_dtype)
     if total.shape == base.shape and total.stride() == base.stride():
         offset = total.storage_offset() + view.storage_offset() - base.storage_offset()
         region = total.as_strided(view.shape, view.stride(), offset)

@@ -180,11 +180,14 @@ class GroupedWeightGrad:
     x_rows: Tensor | None = None
     dy_rows: Tensor | None = None
 
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The gradient's dtype: ``out_dtype``, else dy's."""
+        return self.out_dtype or self.dy.dtype
+
     def __call__(self) -> Tensor:
         x, dy = self._operand(self.x, self.x_rows), self._operand(self.dy, self.dy_rows)
-        return _grouped_weight_grad(
-            x, dy, self.offs, self.num_groups, self.fp8, self.out_dtype or self.dy.dtype
-        )
+        return _grouped_weight_grad(x, dy, self.offs, self.num_groups, self.fp8, self.grad_dtype)
 
     def _operand(self, t: Tensor | Fp8ActT, rows: Tensor | None) -> Tensor | Fp8ActT:
         """An operand's [n, *] rows as the GEMM reads them: t itself, or gathered by ``rows``
@@ -243,11 +246,16 @@ class DenseWeightGrad:
                 "DenseWeightGrad: a dy quantized in FP8 needs fp8=True and the gradient's out_dtype"
             )
 
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The gradient's dtype: ``out_dtype``, else dy's (a tensor then)."""
+        return self.out_dtype or self.dy.dtype
+
     def __call__(self) -> Tensor:
         if self.fp8:
             from fmoe.kernels.fp8_linear import fp8_linear_weight_grad
 
-            return fp8_linear_weight_grad(self.x, self.dy, out_dtype=self.out_dtype or self.dy.dtype)
+            return fp8_linear_weight_grad(self.x, self.dy, out_dtype=self.grad_dtype)
         return self.dy.t() @ self.x
 
     def accumulate_into(self, total: Tensor) -> None:
@@ -315,7 +323,7 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     for p, dest in zip(parts, dests):
         scatter_rows(p.gathered_x().contiguous(), dest, x)
         scatter_rows(p.gathered_dy().contiguous(), dest, dy)
-    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.out_dtype or first.dy.dtype)
+    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.grad_dtype)
 
 
 def _fp8_weight_grad_gathered(
@@ -341,7 +349,7 @@ def _fp8_weight_grad_gathered(
     x_t = quantize_act_t_gathered([p.x.contiguous() for p in parts], src_part, x_src_row, offs)
     dy_t = quantize_act_t_gathered([p.dy.contiguous() for p in parts], src_part, dy_src_row, offs)
     first = parts[0]
-    return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.out_dtype or first.dy.dtype)
+    return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.grad_dtype)
 
 
 class _Linear(torch.autograd.Function):

@@ -178,11 +178,6 @@ FMOE_VARIANTS = {
     "fmoe_fp8_experts_graphs": {"fp8": True, "fp8_dense": False, "cuda_graphs": True},
     # FP8 with every weight cast to bf16 first, the experts' too (before fp8_mode.quantized_from_master)
     "fmoe_fp8_castall_graphs": {"fp8": True, "fp8_masters": False, "cuda_graphs": True},
-    # FP8 with each expert weight quantized at its first use, on the step's stream (before
-    # fp8_training(ahead=...) quantized them all on a side stream as the step begins)
-    "fmoe_fp8_lazy_graphs": {"fp8": True, "fp8_ahead": False, "cuda_graphs": True},
-    # ... ahead, each weight's kernel walking its blocks with 32 programs (a quarter of an H100's SMs)
-    "fmoe_fp8_ahead32_graphs": {"fp8": True, "fp8_ahead_programs": 32, "cuda_graphs": True},
     # FP8 forward and input-gradient GEMMs everywhere, the projections' weight gradients in bf16
     "fmoe_fp8_bf16w_graphs": {"fp8": True, "fp8_dense_wgrad": False, "cuda_graphs": True},
     # ... and the experts' weight gradients in bf16 (FP8 forward and input gradient for them too)
@@ -314,8 +309,6 @@ def fmoe_step_fn(
     fp8_dense_wgrad: bool = True,
     fp8_expert_wgrad: bool = True,
     fp8_masters: bool = True,
-    fp8_ahead: bool = True,
-    fp8_ahead_programs: int | None = None,
     cuda_graphs: bool = False,
     memory: MemoryPolicy | None = None,
     family=qwen3_moe.FAMILY,
@@ -343,8 +336,6 @@ def fmoe_step_fn(
             fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,
             cache_inputs=policy.fp8_cache,
             cache_expert_inputs=policy.fp8_cache_experts(1, microbatches),
-            ahead=[t for n, t in compute.items() if n in masters] if fp8_ahead else (),
-            ahead_programs=fp8_ahead_programs,
         )  # fmt: skip
         with fp8_mode, unfused:
             out = runner.run_sequential(

@@ -27,7 +27,6 @@ from fmoe.stages.spec import Model
 
 __all__ = [
     "PendingShard",
-    "fp8_masters",
     "gather_params",
     "reduce_dtype",
     "reduce_scatter_grads",
@@ -39,19 +38,13 @@ __all__ = [
 ]
 
 
-def fp8_masters(model: Model, infos: Mapping[str, ShardInfo], fp8: bool) -> frozenset[str]:
-    """The expert weights an FP8 step hands its stages as their fp32 masters, uncast: those this rank
-    holds whole (a shard of one rank: the master itself, no copy; ``fp8_mode.quantized_from_master``).
-    Every use of them in the step reads their FP8 copies; none without ``fp8``."""
-    whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if fp8 else {}
-    return quantized_from_master(whole, model.expert_params)
-
-
 def uncast_params(model: Model, infos: Mapping[str, ShardInfo], fp8: bool) -> frozenset[str]:
-    """The names :func:`gather_params` hands over as fp32, uncast: the model's buffers and an FP8
-    step's :func:`fp8_masters`. Only the buffers' gradients stay fp32: the expert weights' come in the
-    compute dtype (``reduce_dtype`` takes ``model.buffers``)."""
-    return frozenset(model.buffers) | fp8_masters(model, infos, fp8)
+    """The names :func:`gather_params` hands over as fp32, uncast: the model's buffers and, in an FP8
+    step, the expert weights this rank holds whole (a shard of one rank: handed over as the master
+    itself, no copy; ``fp8_mode.quantized_from_master``). Only the buffers' gradients stay fp32: the
+    expert weights' come in the compute dtype (``reduce_dtype`` takes ``model.buffers``)."""
+    whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if fp8 else {}
+    return frozenset(model.buffers) | quantized_from_master(whole, model.expert_params)
 
 
 def gather_params(

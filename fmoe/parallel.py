@@ -42,9 +42,7 @@ step goes on). A rank's step is a list of executor steps (``GatherPlan``):
 it; every gradient reduced after the step's last W: the peak of plain data parallelism. FP8 steps
 use it (their weight cache, keyed by storage address, must not see a re-gathered weight), and hand
 the stages the expert weights a rank holds whole as the fp32 masters themselves, with no bf16 copy
-(``collectives.uncast_params``: only their FP8 copies are read). Those copies are quantized as the
-step begins, on a side stream, so the memory-bound quantization overlaps the first layers' GEMMs
-(``fp8_training(ahead=...)``).
+(``collectives.uncast_params``: only their FP8 copies are read).
 
 The optimizer then updates shards (``fmoe.optim`` over the shard dicts, the global norm summed
 over the world, ``world_sq_norm``). Checkpoints hold the canonical, layout-free tensors
@@ -67,14 +65,7 @@ from torch import Tensor
 
 from fmoe import dist as D
 from fmoe import runner
-from fmoe.collectives import (
-    fp8_masters,
-    gather_params,
-    reduce_scatter_grads,
-    scaled_grad,
-    uncast_params,
-    world_statistics,
-)
+from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, uncast_params, world_statistics
 from fmoe.gather_plan import GatherPlan, UnitGathers, per_unit, step_gather_plan
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import Mesh
@@ -202,12 +193,10 @@ def parallel_step(
     else:
         params = gather_params(shards, infos, mesh, dtype, uncast=uncast_params(model, infos, fp8))
         policy = memory or MemoryPolicy()  # its FP8 input caching (``memory.fp8_cache``)
-        masters = fp8_masters(model, infos, fp8)  # their FP8 copies are made ahead, on a side stream
         with fp8_training(
             fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,
             cache_inputs=policy.fp8_cache,
             cache_expert_inputs=policy.fp8_cache_experts(mesh.pp, num_microbatches),
-            ahead=[w for n, w in params.items() if n in masters],
         ):  # fmt: skip
             result = run(params, hooks=None)
         del params

@@ -46,12 +46,6 @@ tensor that crosses F, B and W, in ``fmoe.runner``, ``fmoe.interpreter`` and the
 3. ``into`` (W's accumulator, owned by the caller by rule 2): W adds dense GEMMs into its tensors in
    place (a GEMM with beta = 1, or a product and an add when the accumulator shares memory with the
    GEMM's operands), and the GEMM of a parameter view into the view's slice.
-4. Another stream: the one work of a step off its stream is the FP8 copies of the weights
-   ``fp8_training(ahead=...)`` quantizes on a side stream. The step's stream allocates them and owns
-   them; the side stream reads the weights (rule 1: nothing writes them) after all the step's work
-   queued before it, and the step's stream reads a copy only after waiting for that copy's kernel
-   (``fp8_quant.Fp8WeightAhead.take``). Every copy is taken by the block's end, so no work of the
-   side stream outlives the block (nor a CUDA graph's capture).
 
 B enforces rule 2: a partial gradient whose storage is that of a grad_output or loss seed, a
 grad_input, the output gradient of a taped GEMM or an earlier partial, or that overlaps itself, is

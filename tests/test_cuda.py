@@ -137,56 +137,16 @@ def test_merged_fp8_wgrad_gathers_its_rows_bitwise_as_the_copied_rows(monkeypatc
 @pytest.mark.parametrize(
     "shape", [(1536, 2048), (8, 1536, 2048), (4, 300, 520)], ids=["dense", "experts", "ragged"]
 )
-@pytest.mark.parametrize("programs", [None, 7], ids=["block_each", "seven_walking"])
-def test_quantize_weight_compiled_equals_reference_bitwise(shape, programs):
+def test_quantize_weight_compiled_equals_reference_bitwise(shape):
     from fmoe.kernels import fp8_quant as fq
 
     w = _randn(*shape, seed=4, scale=0.02)
     # both copies come from one launch: poison the memory they will take, so no byte left unwritten
     # can match the reference by chance
     torch.empty(2 * w.numel() + (1 << 20), dtype=torch.uint8, device=w.device).fill_(0xFF)
-    got, want = fq.quantize_weight(w, programs=programs), fq.quantize_weight_reference(w)
+    got, want = fq.quantize_weight(w), fq.quantize_weight_reference(w)
     for field in ("data", "scale", "data_t", "scale_t"):
         assert _bits_equal(getattr(got, field), getattr(want, field)), field
-
-
-def test_weights_quantized_ahead_on_a_side_stream_have_quantize_weights_bits_eagerly_and_in_a_graph():
-    """fp8_quant.quantize_weights_ahead: each weight's copies, taken while the current stream is still
-    busy with earlier work, are bitwise quantize_weight's (fp32 experts, a ragged bf16 weight); the
-    side stream reads the weights as the current stream left them (written just before the call);
-    and captured in a CUDA graph (fork and join inside the capture), replays follow the weights."""
-    from fmoe.kernels import fp8_quant as fq
-
-    ws = [_randn(8, 256, 384, seed=1, scale=0.02), _randn(300, 520, seed=2, dtype=torch.bfloat16)]
-    fields = ("data", "scale", "data_t", "scale_t")
-
-    def check(got, w):
-        want = fq.quantize_weight(w)
-        return all(_bits_equal(getattr(got, f), getattr(want, f)) for f in fields)
-
-    busy = _randn(4096, 4096, seed=3)
-    for _ in range(8):  # queued on the current stream ahead of the weights' writes and the fork
-        busy = busy @ busy * 1e-2
-    for w in ws:
-        w.mul_(3.0)  # the last write before the fork: the side stream must see it
-    for programs in (None, 5):
-        ahead = fq.quantize_weights_ahead(ws, programs=programs)
-        taken = [a.take() for a in ahead]
-        assert all(check(t, w) for t, w in zip(taken, ws)), programs
-
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (Triton compiles outside the capture)
-        [a.take() for a in fq.quantize_weights_ahead(ws)]
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured = [a.take() for a in fq.quantize_weights_ahead(ws)]
-    for seed in (5, 6):
-        for i, w in enumerate(ws):
-            w.copy_(_randn(*w.shape, seed=seed + 10 * i, dtype=w.dtype, scale=0.05))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(check(t, w) for t, w in zip(captured, ws)), seed
 
 
 def test_tile_map_compiled_equals_reference():
@@ -540,28 +500,6 @@ def test_fp8_training_step_runs_the_triton_kernels_and_stays_near_bf16(monkeypat
     # 2^-2 on the gradients as one vector.
     assert abs(fp8.loss.item() - bf16.loss.item()) < 2**-6 * bf16.loss.item()
     assert _global_rel(fp8.grads, bf16.grads) < 2**-2
-
-
-def test_an_fp8_step_with_its_expert_weights_quantized_ahead_has_the_bits_of_quantizing_at_first_use():
-    """fp8_training(ahead=the fp32 expert masters), as the trainer opens it: the side stream's copies
-    are the ones the step reads (loss and every gradient bitwise those of quantizing each weight at
-    its first use on the step's stream)."""
-    from fmoe import runner
-    from fmoe.stages.fp8_mode import quantized_from_master
-    from fmoe.stages.primitives import fp8_training
-
-    cfg, model, batch = _gpu_model()
-    p32 = model.init(seed=0, dtype=torch.float32, device="cuda")
-    masters = quantized_from_master({n: t.shape for n, t in p32.items()}, model.expert_params)
-    assert masters
-    params = {n: t if n in masters else t.to(torch.bfloat16) for n, t in p32.items()}
-    out = {}
-    for ahead in (True, False):
-        with fp8_training(ahead=[t for n, t in params.items() if n in masters] if ahead else ()):
-            out[ahead] = runner.run_sequential(model, params, batch, num_microbatches=2)
-    assert torch.equal(out[True].loss, out[False].loss)
-    for n, g in out[False].grads.items():
-        assert torch.equal(out[True].grads[n], g), n
 
 
 def test_fp8_experts_take_the_fused_function_with_the_bits_of_the_composition(monkeypatch):

@@ -199,33 +199,24 @@ def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
 
 def test_the_trainer_step_quantizes_the_expert_weights_from_their_fp32_master_shards(monkeypatch):
     """One process, FP8: the stacked expert weights reach the stages as the fp32 master shards
-    themselves (no bf16 copy, ``fp8_mode.quantized_from_master``) and are quantized from there, once,
-    ahead of their first use (``fp8_training(ahead=...)``); every other weight from its bf16 copy, at
-    its first use; every gradient comes back in bf16 all the same."""
-    from fmoe.kernels import fp8_quant
+    themselves (no bf16 copy, ``fp8_mode.quantized_from_master``) and are quantized from there;
+    every other weight from its bf16 copy; every gradient comes back in bf16 all the same."""
+    from fmoe.stages import fp8_mode
 
     model, mesh, infos, shards, batch = one_process(fp8_config())
     seen = []  # (dtype, storage) of each weight quantized
-    ahead = []  # the storages of the weights asked for ahead
-    real, real_ahead = fp8_quant.quantize_weight, fp8_quant.quantize_weights_ahead
+    real = fp8_mode._quantize_weight
     monkeypatch.setattr(
-        fp8_quant,
-        "quantize_weight",
-        lambda w, **kw: seen.append((w.dtype, w.untyped_storage().data_ptr())) or real(w, **kw),
-    )
-    monkeypatch.setattr(
-        fp8_quant,
-        "quantize_weights_ahead",
-        lambda ws, **kw: ahead.extend(w.untyped_storage().data_ptr() for w in ws) or real_ahead(ws, **kw),
+        fp8_mode,
+        "_quantize_weight",
+        lambda w: seen.append((w.dtype, w.untyped_storage().data_ptr())) or real(w),
     )
     out = parallel.parallel_step(model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True)
     experts = {n for n in model.expert_params if len(infos[n].full_shape) == 3}
     assert len(experts) == 2  # the MoE layer's gate_up and down
     master_storage = {shards[n].untyped_storage().data_ptr() for n in experts}
-    assert sorted(ahead) == sorted(master_storage)
     assert {p for d, p in seen if d == torch.float32} == master_storage
-    # bf16: q, k, v, o of both layers and the dense MLP's gate, up and down (layer 0); each weight
-    # once (the ahead copies are the ones the stages' lookups find)
+    # bf16: q, k, v, o of both layers and the dense MLP's gate, up and down (layer 0)
     assert (
         sum(d == torch.float32 for d, _ in seen) == 2
         and sum(d == torch.bfloat16 for d, _ in seen) == 2 * 4 + 3
@@ -576,16 +567,16 @@ def test_the_plans_fp8_weight_copies_bound_what_a_step_quantizes(monkeypatch, de
     bytes of every FP8 weight a trainer step makes (data, scales and their transposes): never less,
     and less than 1.5x (the bound counts the embedding, router and LM head where dims allow)."""
     from fmoe import plan
-    from fmoe.kernels import fp8_quant
+    from fmoe.stages import fp8_mode
 
-    made = []  # every weight quantized, at its first use or ahead (both go through quantize_weight on a CPU)
-    real = fp8_quant.quantize_weight
+    made = []
+    real = fp8_mode._quantize_weight
 
-    def counting(w, **kw):
-        made.append(real(w, **kw))
+    def counting(w):
+        made.append(real(w))
         return made[-1]
 
-    monkeypatch.setattr(fp8_quant, "quantize_weight", counting)
+    monkeypatch.setattr(fp8_mode, "_quantize_weight", counting)
     # the embedding and LM head in 128-blocks too: counted by the bound
     cfg = fp8_config(vocab_size=256)
     model, mesh, infos, shards, batch = one_process(cfg)

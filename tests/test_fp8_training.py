@@ -13,7 +13,7 @@ from conftest import random_batch, relative_error, tiny_config
 
 from fmoe import runner
 from fmoe import stage as S
-from fmoe.kernels import _triton, fp8_gemm, fp8_quant
+from fmoe.kernels import _triton, fp8_gemm
 from fmoe.stages import fp8_mode, primitives
 from fmoe.stages.primitives import DenseWeightGrad, fp8_training, grouped_linear, linear
 from fmoe.stages.spec import Stage, StageContext
@@ -46,16 +46,15 @@ def triton_kernels(torch_kernels, monkeypatch):
 
 @pytest.fixture
 def quantized_shapes(monkeypatch):
-    """The shapes of the weights quantized while a test runs, one entry per quantization (at a
-    weight's first use or ahead: on a CPU both go through ``quantize_weight``)."""
+    """The shapes of the weights quantized while a test runs, one entry per quantization."""
     calls = []
-    real = fp8_quant.quantize_weight
+    real = fp8_mode._quantize_weight
 
-    def counting(w, **kw):
+    def counting(w):
         calls.append(tuple(w.shape))
-        return real(w, **kw)
+        return real(w)
 
-    monkeypatch.setattr(fp8_quant, "quantize_weight", counting)
+    monkeypatch.setattr(fp8_mode, "_quantize_weight", counting)
     return calls
 
 
@@ -169,46 +168,6 @@ def test_weights_are_quantized_once_per_step_and_reused_across_microbatches(quan
     per_layer = 4 + 2
     assert len(calls) == per_layer * cfg.num_hidden_layers
     assert len(set(calls)) <= per_layer
-
-
-def test_weights_quantized_ahead_are_the_ones_the_uses_find_and_a_weight_written_since_is_requantized(
-    quantized_shapes, monkeypatch
-):
-    """fp8_training(ahead=ws): each of ws quantized once, on entry, and its uses take that copy (no
-    second quantization; the step's bits are those without ``ahead``); a weight written inside the
-    block (its version moves) is not served its stale copy but quantized again; and every copy not
-    taken is taken as the block ends (on a GPU: the side stream joins the step's)."""
-    from fmoe.kernels import fp8_quant
-
-    calls = quantized_shapes
-    cfg = fp8_config()
-    model = qwen3_moe_build(cfg)
-    params = model.init(seed=0)
-    batch = random_batch(cfg, 4, 16)
-    experts = [params[n] for n in params if n in fp8_mode.quantized_from_master(
-        {n: t.shape for n, t in params.items()}, model.expert_params)]  # fmt: skip
-    assert len(experts) == 2 * cfg.num_hidden_layers
-    with fp8_training(True):
-        lazy = runner.run_sequential(model, params, batch, num_microbatches=4)
-    calls.clear()
-    taken = []
-    real_take = fp8_quant.Fp8WeightAhead.take
-    monkeypatch.setattr(fp8_quant.Fp8WeightAhead, "take", lambda self: taken.append(self) or real_take(self))
-    with fp8_training(True, ahead=experts):
-        assert calls == [tuple(w.shape) for w in experts]  # on entry, in order
-        out = runner.run_sequential(model, params, batch, num_microbatches=4)
-    assert len(calls) == 4 * cfg.num_hidden_layers + len(experts)  # q, k, v, o at their uses; nothing twice
-    assert len(taken) == len(experts)
-    assert torch.equal(out.loss, lazy.loss)
-    assert all(torch.equal(out.grads[n], g) for n, g in lazy.grads.items())
-
-    w = experts[0].clone()
-    with fp8_training(True, ahead=[w, experts[1]]):
-        before = fp8_mode.fp8_weight(torch.empty(1, w.shape[-1]), w, dense=False)
-        w.mul_(2.0)  # written inside the block, against the rule: its version moves
-        after = fp8_mode.fp8_weight(torch.empty(1, w.shape[-1]), w, dense=False)
-    assert torch.equal(after.scale, 2 * before.scale)  # quantized again, from the new values
-    assert len(taken) == len(experts) + 2  # w's copy at its first use, experts[1]'s unused one on exit
 
 
 def test_fp8_dense_false_keeps_the_projections_in_the_compute_dtype(quantized_shapes):

@@ -158,36 +158,13 @@ def test_quantize_act_t_dense_is_one_group_with_no_tile_map(tokens, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # fp32 master weights, bf16 copies
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(200, 300), (3, 256, 130)])
-@pytest.mark.parametrize("programs", [None, 2], ids=["block_each", "two_walking"])
-def test_quantize_weight_equals_reference_bitwise(shape, pow2, dtype, programs):
-    # programs=2: two programs walk the 6 (or 3 x 2 x 2) blocks (_quant_weight_walk_kernel)
+def test_quantize_weight_equals_reference_bitwise(shape, pow2, dtype):
     w = (torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 0.02).to(dtype)
-    got = fq.quantize_weight(w, pow2_scales=pow2, programs=programs)
-    want = fq.quantize_weight_reference(w, pow2_scales=pow2)
+    got, want = fq.quantize_weight(w, pow2_scales=pow2), fq.quantize_weight_reference(w, pow2_scales=pow2)
     for name in ("data", "scale", "data_t", "scale_t"):
         assert _bits_equal(getattr(got, name), getattr(want, name)), name
     assert _bits_equal(got.data_t, got.data.transpose(-1, -2).contiguous())
     assert torch.equal(got.scale_t, got.scale.transpose(-1, -2))
-
-
-def test_weights_quantized_ahead_are_quantize_weights_bits_and_bad_lists_are_named():
-    """On a CPU (no side stream) quantize_weights_ahead quantizes each weight now, with the bits of
-    quantize_weight; weights on two devices, or of another rank, are refused before any work."""
-    gen = torch.Generator().manual_seed(3)
-    ws = [torch.randn(3, 256, 130, generator=gen) * 0.02, (torch.randn(200, 300, generator=gen)).bfloat16()]
-    ahead = fq.quantize_weights_ahead(ws)
-    assert [a.ready for a in ahead] == [None, None]
-    for a, w in zip(ahead, ws):
-        got, want = a.take(), fq.quantize_weight(w)
-        for name in ("data", "scale", "data_t", "scale_t"):
-            assert _bits_equal(getattr(got, name), getattr(want, name)), name
-    assert fq.quantize_weights_ahead([]) == []
-    with pytest.raises(ValueError, match="2 devices"):
-        fq.quantize_weights_ahead([ws[0], torch.empty(256, 256, device="meta")])
-    with pytest.raises(ValueError, match=r"\[experts, out, in\]"):
-        fq.quantize_weights_ahead([torch.zeros(128)])
-    with pytest.raises(ValueError, match="programs"):
-        fq.quantize_weights_ahead(ws, programs=0)
 
 
 def test_dequantized_values_are_within_half_an_e4m3_step():

@@ -285,11 +285,11 @@ def _quant_tiles_kernel(
 
 
 @triton.jit
-def _quant_weight_block(
-    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, rb, cb, e, POW2: tl.constexpr, EMULATE: tl.constexpr
+def _quant_weight_kernel(
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, POW2: tl.constexpr, EMULATE: tl.constexpr
 ):
-    """One 128x128 block (rb, cb) of expert e's [R, C] weight -> its bits and scale in the [R, C] copy
-    and in the [C, R] transposed copy, both written row-major.
+    """One 128x128 block of expert e's [R, C] weight -> its bits and scale in the [R, C] copy and
+    in the [C, R] transposed copy, both written row-major.
 
     The block is loaded twice, as itself and through transposed pointers: the second load finds it
     in L2, so HBM sees one read of the weight (two launches, one a copy, read it twice). Both copies
@@ -297,6 +297,9 @@ def _quant_weight_block(
     tl.trans of the tile and no store through transposed pointers: on an H200 with Triton 3.6 those
     lost bytes or corrupted the other copy; benchmarks/results/fp8_h200.json.)
     """
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
     base = e * R * C
     rows = rb * 128 + tl.arange(0, 128)
     cols = cb * 128 + tl.arange(0, 128)
@@ -310,32 +313,6 @@ def _quant_weight_block(
     vt = tl.load(w_ptr + base + rows[None, :] * C + cols[:, None], mask=mask_t, other=0.0).to(tl.float32)
     tl.store(qt_ptr + base + cols[:, None] * R + rows[None, :], _e4m3_bits(vt * inv, EMULATE), mask=mask_t)
     tl.store(st_ptr + (e * tl.cdiv(C, 128) + cb) * tl.cdiv(R, 128) + rb, s)
-
-
-@triton.jit
-def _quant_weight_kernel(
-    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, POW2: tl.constexpr, EMULATE: tl.constexpr
-):
-    """Program (rb, cb, e): block (rb, cb) of expert e (:func:`_quant_weight_block`)."""
-    e = tl.program_id(2).to(tl.int64)
-    _quant_weight_block(
-        w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, tl.program_id(0), tl.program_id(1), e, POW2, EMULATE
-    )
-
-
-@triton.jit
-def _quant_weight_walk_kernel(
-    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, E, POW2: tl.constexpr, EMULATE: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-):  # fmt: skip
-    """NUM_PROGRAMS programs walk all the blocks (rb fastest, then cb, then e): a launch that holds
-    only as many SMs as it has programs, whatever the weight's size."""
-    nb, kb = tl.cdiv(R, 128), tl.cdiv(C, 128)
-    for blk in range(tl.program_id(0), nb * kb * E, NUM_PROGRAMS):
-        e = (blk // (nb * kb)).to(tl.int64)
-        _quant_weight_block(
-            w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, blk % nb, (blk // nb) % kb, e, POW2, EMULATE
-        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -637,122 +614,27 @@ def quantize_act_t_gathered(
     return _launch_tiles(parts, first.shape[1], 0, 0, offs, pow2_scales, False, (src_part, src_row))
 
 
-def quantize_weight(w: Tensor, *, pow2_scales: bool = False, programs: int | None = None) -> Fp8Weight:
-    """w: [out, in] or [experts, out, in] (bf16/fp32) -> Fp8Weight with 128x128 block scales.
-    programs: the kernel walks the blocks with this many programs (None: one a block); same bits."""
+def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
+    """w: [out, in] or [experts, out, in] (bf16/fp32) -> Fp8Weight with 128x128 block scales."""
     if w.dim() not in (2, 3):
         raise ValueError(f"w: expected [out, in] or [experts, out, in], got shape {tuple(w.shape)}")
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs: must be >= 1 or None, got {programs}")
     if not use_triton(w):
         return quantize_weight_reference(w, pow2_scales=pow2_scales)
     w3 = w.contiguous().view(-1, *w.shape[-2:])
-    out = _weight_outputs(w3)
-    _launch_weight(w3, out, pow2_scales, programs)
-    return _as_given(w, out)
-
-
-def _weight_outputs(w3: Tensor) -> Fp8Weight:
-    """Empty [E, N, K] / [E, K, N] FP8 copies and their block scales for the weights ``w3``."""
     E, N, K = w3.shape
     NB, KB = cdiv(N, GROUP), cdiv(K, GROUP)
-    return Fp8Weight(
-        data=torch.empty(E, N, K, dtype=FP8_DTYPE, device=w3.device),
-        scale=torch.empty(E, NB, KB, dtype=torch.float32, device=w3.device),
-        data_t=torch.empty(E, K, N, dtype=FP8_DTYPE, device=w3.device),
-        scale_t=torch.empty(E, KB, NB, dtype=torch.float32, device=w3.device),
-    )
-
-
-def _launch_weight(w3: Tensor, out: Fp8Weight, pow2_scales: bool, programs: int | None = None) -> None:
-    """The kernel over w3 [E, N, K] into ``out``: one program a block, or ``programs`` walking them."""
-    E, N, K = w3.shape
-    if w3.numel() == 0:
-        return
-    # [N, K] and its [K, N] transpose (the input gradient reads it), one launch
-    args = (w3, out.data.view(torch.uint8), out.scale, out.data_t.view(torch.uint8), out.scale_t, N, K)
-    blocks = cdiv(N, GROUP) * cdiv(K, GROUP) * E
-    if programs is None or programs >= blocks:
-        _quant_weight_kernel[(cdiv(N, GROUP), cdiv(K, GROUP), E)](
-            *args, POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS
-        )
-    else:
-        _quant_weight_walk_kernel[(programs,)](
-            *args, E, POW2=pow2_scales, EMULATE=interpreting(), NUM_PROGRAMS=programs, num_warps=WEIGHT_WARPS
-        )
-
-
-def _as_given(w: Tensor, out: Fp8Weight) -> Fp8Weight:
-    """``out`` shaped like ``w``: a 2-D weight's copies lose the experts dim."""
-    if w.dim() == 3:
-        return out
-    return Fp8Weight(out.data[0], out.scale[0], out.data_t[0], out.scale_t[0])
-
-
-@dataclass(frozen=True)
-class Fp8WeightAhead:
-    """A weight's FP8 copies being written on a side stream (:func:`quantize_weights_ahead`).
-
-    weight: the copies, allocated on the stream that asked for them (which owns them);
-    ready:  recorded on the side stream after their kernel (None: written already, as on a CPU);
-    source: the tensor the kernel reads, kept alive (and unfreed) until :meth:`take`.
-    """
-
-    weight: Fp8Weight
-    ready: "torch.cuda.Event | None"
-    source: Tensor
-
-    def take(self) -> Fp8Weight:
-        """The copies, once the current stream has been made to wait for their kernel: every read
-        of them from the current stream comes after their writes."""
-        if self.ready is not None:
-            torch.cuda.current_stream(self.source.device).wait_event(self.ready)
-        return self.weight
-
-
-def quantize_weights_ahead(
-    ws: Sequence[Tensor], *, pow2_scales: bool = False, programs: int | None = None
-) -> list[Fp8WeightAhead]:
-    """``quantize_weight`` of each of ``ws`` (one device), launched now, in order, on a side stream
-    of a CUDA device, so that the memory-bound quantizations share the GPU with the compute-bound
-    kernels the current stream runs meanwhile; elsewhere quantized here and now. The bits are
-    ``quantize_weight``'s. ``programs``: on a GPU, each kernel walks its blocks with this many programs
-    (so it holds at most that many SMs' slots beside the current stream's kernels); None: a program a
-    block. Each weight's :meth:`Fp8WeightAhead.take` makes the current stream wait
-    for its own kernel only; a caller takes every one before it lets go of them (the side stream's
-    work then joins the current stream, as a CUDA graph's capture requires).
-
-    Ownership: the copies are allocated on the current stream before the side stream forks from it,
-    and the side stream first waits for the current stream's work so far, so it reads the weights
-    as they stand now. Nothing may write the weights, and only ``take`` may read the copies, until
-    they are taken."""
-    devices = {w.device for w in ws}
-    if len(devices) > 1:
-        raise ValueError(f"quantize_weights_ahead: weights on {len(devices)} devices, expected one")
-    for w in ws:
-        if w.dim() not in (2, 3):
-            raise ValueError(f"w: expected [out, in] or [experts, out, in], got shape {tuple(w.shape)}")
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs: must be >= 1 or None, got {programs}")
-    if not ws or not ws[0].is_cuda or not use_triton(ws[0]):
-        return [
-            Fp8WeightAhead(quantize_weight(w, pow2_scales=pow2_scales, programs=programs), None, w)
-            for w in ws
-        ]
-    device = ws[0].device
-    sources = [w.contiguous().view(-1, *w.shape[-2:]) for w in ws]  # any copy is made on this stream
-    outs = [_weight_outputs(w3) for w3 in sources]
-    here = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(here)
-    ahead = []
-    with torch.cuda.stream(side):
-        for w, w3, out in zip(ws, sources, outs):
-            _launch_weight(w3, out, pow2_scales, programs)
-            ready = torch.cuda.Event()
-            ready.record(side)
-            ahead.append(Fp8WeightAhead(_as_given(w, out), ready, w3))
-    return ahead
+    q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(E, NB, KB, dtype=torch.float32, device=w.device)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device)
+    st = torch.empty(E, KB, NB, dtype=torch.float32, device=w.device)
+    if w3.numel() > 0:  # [N, K] and its [K, N] transpose (the input gradient reads it), one launch
+        _quant_weight_kernel[(NB, KB, E)](
+            w3, q.view(torch.uint8), s, qt.view(torch.uint8), st, N, K,
+            POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
+        )  # fmt: skip
+    if w.dim() == 2:
+        q, qt, s, st = q[0], qt[0], s[0], st[0]
+    return Fp8Weight(q, s, qt, st)
 
 
 # ----------------------------------------------------------------------------------------------

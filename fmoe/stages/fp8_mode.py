@@ -47,7 +47,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,9 +74,7 @@ __all__ = [
     "quantized_from_master",
 ]
 
-_FP8_WEIGHTS: contextvars.ContextVar[_WeightCache | None] = contextvars.ContextVar(
-    "fmoe_fp8_weights", default=None
-)
+_FP8_WEIGHTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fmoe_fp8_weights", default=None)
 _FP8_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense", default=True)
 _FP8_DENSE_WGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar("fmoe_fp8_dense_wgrad", default=True)
 _FP8_EXPERT_WGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -86,15 +84,6 @@ _FP8_EXPERT_WGRAD: contextvars.ContextVar[bool] = contextvars.ContextVar(
 _CACHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "fmoe_fp8_cached", default=frozenset()
 )
-
-
-@dataclass(frozen=True)
-class _WeightCache:
-    """An ``fp8_training`` block's FP8 weights by ``_weight_key``: ``done`` those quantized (or taken),
-    ``ahead`` those still being quantized on a side stream (``Fp8WeightAhead``, taken at first use)."""
-
-    done: dict = field(default_factory=dict)
-    ahead: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,8 +117,6 @@ def fp8_training(
     expert_wgrad: bool = True,
     cache_inputs: bool = False,
     cache_expert_inputs: bool = False,
-    ahead: Sequence[Tensor] = (),
-    ahead_programs: int | None = None,
 ) -> Iterator[None]:
     """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
 
@@ -152,24 +139,8 @@ def fp8_training(
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the
     module docstring). Expert inputs only where no micro-batch's expert W is merged with another's
     (``MemoryPolicy.fp8_cache_experts`` decides; a merge of cached parts is refused).
-    ahead: weights whose FP8 copies are quantized on entry, in this order, on a side stream of a
-    CUDA device (``fp8_quant.quantize_weights_ahead``), so that their memory-bound kernels overlap the
-    block's first GEMMs; each use waits for its own weight's kernel only. Pass only weights every one
-    of whose uses inside the block is an FP8 GEMM (``quantized_from_master``'s): any other would be
-    quantized for nothing. They must not be written inside the block. The bits are the same.
-    ahead_programs: each of their kernels walks its blocks with this many programs (at most that many
-    SMs' slots taken from the block's own kernels); None: a program a 128x128 block.
     """
-    cache = None
-    if enabled:
-        from fmoe.kernels.fp8_quant import quantize_weights_ahead
-
-        cache = _WeightCache()
-        for w, pending in zip(
-            ahead, quantize_weights_ahead([w.detach() for w in ahead], programs=ahead_programs)
-        ):
-            cache.ahead[_weight_key(w)] = pending
-    token = _FP8_WEIGHTS.set(cache)
+    token = _FP8_WEIGHTS.set({} if enabled else None)
     dense_token = _FP8_DENSE.set(dense)
     wgrad_token = _FP8_DENSE_WGRAD.set(dense_wgrad)
     expert_wgrad_token = _FP8_EXPERT_WGRAD.set(expert_wgrad)
@@ -185,10 +156,6 @@ def fp8_training(
         _FP8_DENSE_WGRAD.reset(wgrad_token)
         _FP8_DENSE.reset(dense_token)
         _FP8_WEIGHTS.reset(token)
-        # join the side stream's work that no use took (a CUDA graph's capture needs it)
-        if cache is not None:
-            for pending in cache.ahead.values():
-                pending.take()
 
 
 def _quantize_weight(w: Tensor):
@@ -197,9 +164,9 @@ def _quantize_weight(w: Tensor):
     return quantize_weight(w)
 
 
-def _weight_key(w: Tensor) -> tuple:
+def _fp8_weight(w: Tensor, cache: dict):
     # strides too: a view (``w.t()``, a slice of a fused weight) is another weight on the same storage
-    return (
+    key = (
         w.untyped_storage().data_ptr(),
         w.storage_offset(),
         tuple(w.shape),
@@ -207,14 +174,9 @@ def _weight_key(w: Tensor) -> tuple:
         w.dtype,
         w._version,
     )
-
-
-def _fp8_weight(w: Tensor, cache: _WeightCache):
-    key = _weight_key(w)
-    if key not in cache.done:
-        pending = cache.ahead.pop(key, None)
-        cache.done[key] = pending.take() if pending is not None else _quantize_weight(w.detach())
-    return cache.done[key]
+    if key not in cache:
+        cache[key] = _quantize_weight(w.detach())
+    return cache[key]
 
 
 def _fp8_eligible(in_features: int, w: Tensor) -> bool:

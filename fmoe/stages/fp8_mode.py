@@ -56,7 +56,7 @@ from torch import Tensor
 from fmoe.stages.recompute import is_recomputed
 
 if TYPE_CHECKING:
-    from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT
+    from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT, Fp8Weight
 
 __all__ = [
     "CachedInput",
@@ -117,6 +117,7 @@ def fp8_training(
     expert_wgrad: bool = True,
     cache_inputs: bool = False,
     cache_expert_inputs: bool = False,
+    weights: Sequence[tuple[Tensor, Fp8Weight]] = (),
 ) -> Iterator[None]:
     """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
 
@@ -139,8 +140,13 @@ def fp8_training(
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the
     module docstring). Expert inputs only where no micro-batch's expert W is merged with another's
     (``MemoryPolicy.fp8_cache_experts`` decides; a merge of cached parts is refused).
+    weights: FP8 copies made before the block, as (w, copy) pairs, ``copy`` being
+    ``quantize_weight(w)`` of w's value now: a GEMM on w (the same storage, offset, shape, strides,
+    dtype and version) reads ``copy`` and quantizes nothing. The optimizer writes them for the expert
+    masters (``fmoe.optim.step(fp8_copies=)``); keeping them equal to the masters' values is the
+    caller's rule (``fmoe.stage``, ownership rule 4).
     """
-    token = _FP8_WEIGHTS.set({} if enabled else None)
+    token = _FP8_WEIGHTS.set({_weight_key(w): copy for w, copy in weights} if enabled else None)
     dense_token = _FP8_DENSE.set(dense)
     wgrad_token = _FP8_DENSE_WGRAD.set(dense_wgrad)
     expert_wgrad_token = _FP8_EXPERT_WGRAD.set(expert_wgrad)
@@ -164,9 +170,9 @@ def _quantize_weight(w: Tensor):
     return quantize_weight(w)
 
 
-def _fp8_weight(w: Tensor, cache: dict):
+def _weight_key(w: Tensor) -> tuple:
     # strides too: a view (``w.t()``, a slice of a fused weight) is another weight on the same storage
-    key = (
+    return (
         w.untyped_storage().data_ptr(),
         w.storage_offset(),
         tuple(w.shape),
@@ -174,6 +180,10 @@ def _fp8_weight(w: Tensor, cache: dict):
         w.dtype,
         w._version,
     )
+
+
+def _fp8_weight(w: Tensor, cache: dict):
+    key = _weight_key(w)
     if key not in cache:
         cache[key] = _quantize_weight(w.detach())
     return cache[key]

@@ -22,9 +22,6 @@
 #   OUT=/tmp/out benchmarks/run_h200.sh deepgemm DIR [FAMILY]  # DeepGEMM beside fmoe's FP8 GEMMs: build
 #                                                # the DeepGEMM checkout DIR (submodules in, no network
 #                                                # there), compile its JIT kernels in parallel, time them
-#   OUT=/tmp/out benchmarks/run_h200.sh copies   # the optimizer's FP8 copies of the expert masters: TESTS (default
-#                                                # their GPU tests), AdamW with and without them, Qwen3 layers
-#                                                # BF16, FP8 on the copies and FP8 quantizing in each step
 # Issue 26's per-layer rows: `policies fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_bf16allw_graphs` and `deepseek`.
 # The whole GPU tier: `TRITON_INTERPRET=0 python3 -m pytest -m cuda tests/`.
 set -u
@@ -108,17 +105,6 @@ fp8step)  # an FP8 change against the tree BEFORE (default before_tree/, made wi
     # from a folder of its own, so that neither this checkout's fmoe nor its editable install is seen
     (cd /tmp && PYTHONPATH=/tmp/before:$BEFORE timeout 100 python3 -m benchmarks.train_throughput --layers $L \
       $QWEN --sides fmoe_graphs,fmoe_fp8_graphs --out "$OUT/before_L$L.json" 2>&1 | grep -E "ms/step|Error")
-  done
-  ;;
-copies)
-  timeout 200 python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests/test_fp8_copies_cuda.py} 2>&1 \
-    | tail -12 | tee "$OUT/cuda_tests.txt"
-  timeout 90 python3 -m benchmarks.bench_adamw_fp8 --configs "${CONFIGS:-}" --out "$OUT/adamw_fp8.json" 2>&1 | tail -30
-  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  [ "$MEM" -gt 100000 ] && DEFAULT="4 8" || DEFAULT="2 4"
-  for L in ${LAYERS:-$DEFAULT}; do
-    timeout 170 python3 -m benchmarks.train_throughput --layers $L ${QWEN_COPIES:-$QWEN} \
-      --sides ${SIDES:-fmoe_graphs,fmoe_fp8_graphs,fmoe_fp8_lazy_graphs} --out "$OUT/copies_L$L.json" 2>&1 | grep -E "ms/step|Error"
   done
   ;;
 layers)  # the whole GPU tier, then where a layer's time goes: Qwen3 BF16 and FP8 steps at two layer counts,

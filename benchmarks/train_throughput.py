@@ -176,9 +176,6 @@ FMOE_VARIANTS = {
     "fmoe_graphs": {"cuda_graphs": True},
     "fmoe_fp8_graphs": {"fp8": True, "cuda_graphs": True},
     "fmoe_fp8_experts_graphs": {"fp8": True, "fp8_dense": False, "cuda_graphs": True},
-    # FP8 with each expert master quantized at its first use in every step (before the optimizer
-    # kept their FP8 copies: optim.step(fp8_copies=))
-    "fmoe_fp8_lazy_graphs": {"fp8": True, "fp8_copies": False, "cuda_graphs": True},
     # FP8 with every weight cast to bf16 first, the experts' too (before fp8_mode.quantized_from_master)
     "fmoe_fp8_castall_graphs": {"fp8": True, "fp8_masters": False, "cuda_graphs": True},
     # FP8 forward and input-gradient GEMMs everywhere, the projections' weight gradients in bf16
@@ -312,13 +309,11 @@ def fmoe_step_fn(
     fp8_dense_wgrad: bool = True,
     fp8_expert_wgrad: bool = True,
     fp8_masters: bool = True,
-    fp8_copies: bool = True,
     cuda_graphs: bool = False,
     memory: MemoryPolicy | None = None,
     family=qwen3_moe.FAMILY,
 ):
     from fmoe.cuda_graphs import GraphedStep
-    from fmoe.kernels.fp8_quant import empty_weight, quantize_weight
     from fmoe.stages import layers
     from fmoe.stages.fp8_mode import quantized_from_master
     from fmoe.stages.primitives import fp8_training
@@ -330,11 +325,6 @@ def fmoe_step_fn(
     # as fmoe train on one process: an FP8 step reads its expert weights' fp32 masters (no bf16 copy)
     shapes = {n: tuple(t.shape) for n, t in params.items()}
     masters = quantized_from_master(shapes, model.expert_params) if fp8 and fp8_masters else frozenset()
-    # ... and the optimizer keeps their FP8 copies, which the next step reads (fmoe.train.fp8_copies)
-    copies = {
-        n: quantize_weight(params[n], out=empty_weight(params[n].shape, params[n].device))
-        for n in (sorted(masters) if fp8_copies else [])
-    }
 
     def pure_step(p, opt, tokens, labels, micro_batch: int):
         compute = (
@@ -346,7 +336,6 @@ def fmoe_step_fn(
             fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,
             cache_inputs=policy.fp8_cache,
             cache_expert_inputs=policy.fp8_cache_experts(1, microbatches),
-            weights=[(p[n], copy) for n, copy in copies.items()],
         )  # fmt: skip
         with fp8_mode, unfused:
             out = runner.run_sequential(
@@ -360,7 +349,7 @@ def fmoe_step_fn(
         del compute
         # the optimizer reads the bf16 gradients as they are (its kernel widens them to fp32)
         grads = {n: g.float() for n, g in out.grads.items()} if fp32_grads else out.grads
-        return optim.step(tx, grads, opt, p, fp8_copies=copies)
+        return optim.step(tx, grads, opt, p)
 
     run = GraphedStep(pure_step) if cuda_graphs and device == "cuda" else pure_step  # CPU: eager
 

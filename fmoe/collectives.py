@@ -43,15 +43,8 @@ def uncast_params(model: Model, infos: Mapping[str, ShardInfo], fp8: bool) -> fr
     step, the expert weights this rank holds whole (a shard of one rank: handed over as the master
     itself, no copy; ``fp8_mode.quantized_from_master``). Only the buffers' gradients stay fp32: the
     expert weights' come in the compute dtype (``reduce_dtype`` takes ``model.buffers``)."""
-    return frozenset(model.buffers) | (fp8_masters(model, infos) if fp8 else frozenset())
-
-
-def fp8_masters(model: Model, infos: Mapping[str, ShardInfo]) -> frozenset[str]:
-    """The expert weights an FP8 step hands its stages as the fp32 masters themselves: those this
-    rank holds whole that ``fp8_mode.quantized_from_master`` names. The optimizer can keep their
-    FP8 copies (``fmoe.optim.step(fp8_copies=)``), and the step read those (``parallel_step``)."""
-    whole = {n: i.full_shape for n, i in infos.items() if i.size == 1}
-    return quantized_from_master(whole, model.expert_params)
+    whole = {n: i.full_shape for n, i in infos.items() if i.size == 1} if fp8 else {}
+    return frozenset(model.buffers) | quantized_from_master(whole, model.expert_params)
 
 
 def gather_params(

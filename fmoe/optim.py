@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from fmoe import optim_fused
-from fmoe.kernels.fp8_quant import Fp8Weight, check_weight_out, quantize_weight
 from fmoe.lr_schedules import Schedule, warmup_cosine, warmup_stable_decay
 from fmoe.optim_fused import group_by_device_dtype
 
@@ -70,14 +69,12 @@ class GradientTransformation(NamedTuple):
     """``init(params) -> state``; ``update(updates, state, params) -> (updates, state)``.
 
     ``step`` (optional) is a fused ``update`` + :func:`apply_updates`:
-    ``step(grads, state, params, grad_scale=None, found_inf=None, fp8_copies=None) -> (params,
-    state)``, allowed to write into the parameter tensors; ``grad_scale`` (None, or a 0-d float32
-    tensor on the device) means "the gradients are ``grads * grad_scale``"; ``found_inf`` (None, or a
-    0-d float32 tensor on the device, 1.0 or 0.0) set to 1.0 means "skip this step": no parameter and
-    no moment changes, decided on the device (no host sync); ``fp8_copies`` (None, or name ->
-    ``Fp8Weight``) are FP8 copies of some params the step must leave holding
-    ``quantize_weight(params[name].view(copy's shape))`` of the params' new values (see :func:`step`).
-    Use :func:`step` rather than calling the field, it falls back to update + apply when absent.
+    ``step(grads, state, params, grad_scale=None, found_inf=None) -> (params, state)``, allowed to
+    write into the parameter tensors; ``grad_scale`` (None, or a 0-d float32 tensor on the device)
+    means "the gradients are ``grads * grad_scale``"; ``found_inf`` (None, or a 0-d float32 tensor on
+    the device, 1.0 or 0.0) set to 1.0 means "skip this step": no parameter and no moment changes,
+    decided on the device (no host sync). Use :func:`step` rather than calling the field, it falls
+    back to update + apply when absent.
 
     ``factor`` (optional) is for a transformation whose ``update`` only multiplies every update by
     one device scalar: ``factor(updates, state, params) -> (scalar or None, state)`` gives that 0-d
@@ -135,7 +132,6 @@ def chain(*transforms: GradientTransformation, skip_nonfinite: bool = False) -> 
         params: Params,
         grad_scale: Tensor | None = None,
         found_inf: Tensor | None = None,
-        fp8_copies: Mapping[str, Fp8Weight] | None = None,
     ) -> tuple[Params, State]:
         # A member with a factor only scales: its scalar stays pending, handed to the last member's
         # fused step (folded into its pass over the gradients) or applied before a member that
@@ -150,15 +146,7 @@ def chain(*transforms: GradientTransformation, skip_nonfinite: bool = False) -> 
                     found_inf = _skip_if_nonfinite(pending, found_inf)
             else:
                 grads, state = tx.update(grads, state, params)
-        return step(
-            transforms[-1],
-            grads,
-            state,
-            params,
-            grad_scale=pending,
-            found_inf=found_inf,
-            fp8_copies=fp8_copies,
-        )
+        return step(transforms[-1], grads, state, params, grad_scale=pending, found_inf=found_inf)
 
     return GradientTransformation(init, update, step_)
 
@@ -189,7 +177,6 @@ def step(
     *,
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
-    fp8_copies: Mapping[str, Fp8Weight] | None = None,
 ) -> tuple[Params, State]:
     """One optimizer step: ``(new params, new state)``; the training loop's entry point.
 
@@ -198,30 +185,18 @@ def step(
     or a 0-d float32 tensor the gradients are to be multiplied by (folded into the fused step).
     found_inf: None or a 0-d float32 tensor; 1.0 skips the step (params and moments unchanged; on
     the device for fused steps, a host sync for the update + apply fallback).
-    fp8_copies: None, or name -> ``fmoe.kernels.fp8_quant.Fp8Weight`` of [out, in] / [experts, out,
-    in] shape, one per param an FP8 step reads only through its FP8 copy (the expert masters, see
-    ``fmoe.stages.fp8_mode``): the step leaves each holding ``quantize_weight`` of its param's new
-    value (viewed in the copy's shape), also when the step is skipped. AdamW's fused step writes
-    them in its own pass over the param (``fmoe.kernels.adamw.adamw_fp8_``); any other step is
-    followed by ``quantize_weight(out=)``.
     """
-    if fp8_copies:
-        _check_copies(params, fp8_copies)
     if tx.step is not None:
         kwargs = {} if grad_scale is None else {"grad_scale": grad_scale}
         if found_inf is not None:
             kwargs["found_inf"] = found_inf
-        if fp8_copies:
-            kwargs["fp8_copies"] = fp8_copies
         return tx.step(grads, state, params, **kwargs)
-    if found_inf is None or not bool(found_inf):
-        if grad_scale is not None:
-            grads = scale_updates(grads, grad_scale)
-        updates, state = tx.update(grads, state, params)
-        params = apply_updates(params, updates, inplace=True)
-    for name, copy in (fp8_copies or {}).items():
-        quantize_weight(params[name].view(copy.shape), out=copy)
-    return params, state
+    if found_inf is not None and bool(found_inf):
+        return params, state
+    if grad_scale is not None:
+        grads = scale_updates(grads, grad_scale)
+    updates, state = tx.update(grads, state, params)
+    return apply_updates(params, updates, inplace=True), state
 
 
 @torch.no_grad()
@@ -319,7 +294,6 @@ def adamw(
         params: Params,
         grad_scale: Tensor | None = None,
         found_inf: Tensor | None = None,
-        fp8_copies: Mapping[str, Fp8Weight] | None = None,
     ) -> tuple[Params, State]:
         _check_same_keys(params, grads, "grads")
         lr_t = lr(state["step"]) if callable(lr) else float(lr)
@@ -328,7 +302,7 @@ def adamw(
             found_inf = found_inf.to(device=count.device, dtype=torch.float32)
         optim_fused.adamw_step_(
             params, grads, state, count, lr_t, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-            decays=decays, grad_scale=grad_scale, found_inf=found_inf, fp8_copies=fp8_copies,
+            decays=decays, grad_scale=grad_scale, found_inf=found_inf,
         )  # fmt: skip
         if found_inf is not None:  # a skipped step is not counted (the schedule does not advance)
             count = count - found_inf
@@ -467,20 +441,6 @@ def _skip_if_nonfinite(scale: Tensor, found_inf: Tensor | None) -> Tensor:
     """found_inf (0-d float32, 1.0 = skip) raised to 1.0 when ``scale`` is not finite (no sync)."""
     bad = (~torch.isfinite(scale)).to(torch.float32)
     return bad if found_inf is None else torch.maximum(found_inf.to(bad.device, torch.float32), bad)
-
-
-def _check_copies(params: Mapping[str, Tensor], copies: Mapping[str, Fp8Weight]) -> None:
-    """ValueError naming the first FP8 copy that is not of a param, or not shaped for it."""
-    for name, copy in copies.items():
-        if name not in params:
-            raise ValueError(f"fp8_copies[{name!r}]: no such parameter")
-        p = params[name]
-        if p.numel() != copy.data.numel() or not p.is_contiguous():
-            raise ValueError(
-                f"fp8_copies[{name!r}]: a copy of shape {tuple(copy.shape)} for a parameter of shape "
-                f"{tuple(p.shape)} (contiguous: {p.is_contiguous()})"
-            )
-        check_weight_out(p.view(copy.shape), copy, f"fp8_copies[{name!r}]")
 
 
 def _check_same_keys(params: Mapping[str, Tensor], other: Mapping[str, Tensor], what: str) -> None:

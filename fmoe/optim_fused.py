@@ -9,12 +9,6 @@ of the params. Which kernel takes a parameter:
   bit for bit ``torch._fused_adamw_`` on the fp32 copy with torch 2.11
   (benchmarks/results/adamw_bitwise_h200.json). It runs on CUDA, or on CPU under TRITON_INTERPRET=1,
   for tensors of at least :data:`KERNEL_MIN_NUMEL` elements.
-- fp32 params given an FP8 copy to keep (``fp8_copies``: an FP8 step's expert masters) take
-  ``fmoe.kernels.adamw.adamw_fp8_`` on CUDA (or under TRITON_INTERPRET=1), whatever their size or
-  gradient dtype: each 128x128 block is stepped, then quantized into the copies while the L2 holds
-  it, so the next step's FP8 GEMMs read those copies and never read the fp32 master to make them
-  (``benchmarks/bench_adamw_fp8.py``). Where that kernel cannot run, the param takes one of the other
-  two routes and its copy is quantized from the new value after (``quantize_weight(out=)``).
 - everything else takes ``torch._fused_adamw_`` (the kernel of ``torch.optim.AdamW(fused=True)``),
   one multi-tensor launch per (device, dtype, decay) group: gradients of another dtype are
   converted first in one cat per group, and a ``grad_scale`` is applied in a pass of its own.
@@ -35,7 +29,6 @@ from torch import Tensor
 
 from fmoe.kernels import adamw as adamw_kernel
 from fmoe.kernels._triton import use_triton
-from fmoe.kernels.fp8_quant import Fp8Weight, quantize_weight
 
 __all__ = ["KERNEL_MIN_NUMEL", "adamw_step_", "group_by_device_dtype"]
 
@@ -62,49 +55,19 @@ def adamw_step_(
     decays: Callable[[str], bool],
     grad_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
-    fp8_copies: Mapping[str, Fp8Weight] | None = None,
 ) -> None:
     """One AdamW step (``fmoe.optim.adamw``'s math), in place, on the params and the moments
     ``exp_avg/<name>``, ``exp_avg_sq/<name>`` of ``state``. step: the 1-based step, 0-d float32.
     lr: a number or 0-d float32. decays(name): weight decay or not. grad_scale: None or 0-d float32,
-    the gradients' factor. found_inf: None or 0-d float32 on step's device; 1.0 changes nothing.
-    fp8_copies: name -> Fp8Weight, left holding ``quantize_weight`` of the param's new value in the
-    copy's shape (``fmoe.optim.step``): in the same pass where fmoe's kernel can take the param
-    (``adamw_fp8_``), else by ``quantize_weight(out=)`` after the step."""
-    # Step 1: split the parameters between the kernels (the fused kernels reject empty tensors)
-    copies = fp8_copies or {}
+    the gradients' factor. found_inf: None or 0-d float32 on step's device; 1.0 changes nothing."""
+    # Step 1: split the parameters between the two kernels (the fused kernels reject empty tensors)
     names = [n for n, p in params.items() if p.numel() > 0]
-    with_copy = [
-        n for n in names if n in copies and _takes_fmoe_kernel(params[n], grads[n], state, n, None, True)
-    ]
-    own = [
-        n for n in names if n not in copies and _takes_fmoe_kernel(params[n], grads[n], state, n, grad_scale)
-    ]
-    mine = set(own) | set(with_copy)
+    own = [n for n in names if _takes_fmoe_kernel(params[n], grads[n], state, n, grad_scale)]
+    mine = set(own)
     rest = [n for n in names if n not in mine]
     hyper = {"beta1": b1, "beta2": b2, "eps": eps}
 
-    # Step 2: params with FP8 copies: stepped and quantized block by block, in one pass
-    for (device, _dtype), group in group_by_device_dtype(params, with_copy).items():
-        on_device = _OnDevice(device, step, lr, grad_scale, found_inf)
-        for sub, wd in _by_decay(group, decays, weight_decay):
-            shapes = [copies[n].shape for n in sub]
-            tensors = [
-                [t.view(shape) for t, shape in zip(ts, shapes)]
-                for ts in _tensor_lists(params, grads, state, sub)
-            ]
-            adamw_kernel.adamw_fp8_(
-                *tensors,
-                [copies[n] for n in sub],
-                step=on_device.step,
-                lr=on_device.lr,
-                weight_decay=wd,
-                grad_scale=on_device.grad_scale,
-                found_inf=on_device.found_inf,
-                **hyper,
-            )
-
-    # Step 3: fmoe's kernel reads the gradients as they are and folds grad_scale in
+    # Step 2: fmoe's kernel reads the gradients as they are and folds grad_scale in
     for (device, _dtype), group in group_by_device_dtype(params, own).items():
         on_device = _OnDevice(device, step, lr, grad_scale, found_inf)
         for sub, wd in _by_decay(group, decays, weight_decay):
@@ -118,7 +81,7 @@ def adamw_step_(
                 **hyper,
             )
 
-    # Step 4: torch's fused kernel, on gradients converted to the params' dtype and scaled first.
+    # Step 3: torch's fused kernel, on gradients converted to the params' dtype and scaled first.
     # The plain case (gradients in the params' dtype, no scale) is torch.optim.AdamW(fused=True)
     # by construction, one launch per group where fmoe's kernel launches once per tensor.
     for (device, dtype), group in group_by_device_dtype(params, rest).items():
@@ -138,11 +101,6 @@ def adamw_step_(
                 found_inf=on_device.found_inf,
                 **hyper,
             )
-
-    # Step 5: the FP8 copies of params step 2 could not take, quantized from their new values
-    for n in names:
-        if n in copies and n not in mine:
-            quantize_weight(params[n].view(copies[n].shape), out=copies[n])
 
 
 def group_by_device_dtype(
@@ -195,26 +153,15 @@ def _tensor_lists(
 
 
 def _takes_fmoe_kernel(
-    p: Tensor,
-    g: Tensor,
-    state: Mapping[str, Tensor],
-    name: str,
-    grad_scale: Tensor | None,
-    with_copy: bool = False,
+    p: Tensor, g: Tensor, state: Mapping[str, Tensor], name: str, grad_scale: Tensor | None
 ) -> bool:
     """Whether fmoe's AdamW kernel takes this parameter: fp32, at least KERNEL_MIN_NUMEL elements,
     contiguous tensors all round, a gradient of another float dtype or a scale to fold in, and a
     device where the Triton kernel runs (CUDA, or CPU under TRITON_INTERPRET=1). Else torch's fused
-    kernel, after a copy and a scaling pass where needed. with_copy: the kernel that also writes the
-    param's FP8 copy (``adamw_fp8_``), which takes any gradient dtype and any size (its copy saves
-    a pass over the param whatever the gradient)."""
-    if p.dtype != torch.float32:
+    kernel, after a copy and a scaling pass where needed."""
+    if p.dtype != torch.float32 or not (g.dtype != p.dtype or grad_scale is not None):
         return False
-    if not with_copy and not (g.dtype != p.dtype or grad_scale is not None):
-        return False
-    if (p.numel() < KERNEL_MIN_NUMEL and not with_copy) or not use_triton(
-        p
-    ):  # CPU: torch's CPU kernel after a copy is fast
+    if p.numel() < KERNEL_MIN_NUMEL or not use_triton(p):  # CPU: torch's CPU kernel after a copy is fast
         return False
     m, v = state[f"exp_avg/{name}"], state[f"exp_avg_sq/{name}"]
     return (

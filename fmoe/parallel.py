@@ -65,16 +65,8 @@ from torch import Tensor
 
 from fmoe import dist as D
 from fmoe import runner
-from fmoe.collectives import (
-    fp8_masters,
-    gather_params,
-    reduce_scatter_grads,
-    scaled_grad,
-    uncast_params,
-    world_statistics,
-)
+from fmoe.collectives import gather_params, reduce_scatter_grads, scaled_grad, uncast_params, world_statistics
 from fmoe.gather_plan import GatherPlan, UnitGathers, per_unit, step_gather_plan
-from fmoe.kernels.fp8_quant import Fp8Weight
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import Mesh
 from fmoe.sharding import ShardInfo
@@ -152,20 +144,6 @@ def _run(
     )  # fmt: skip
 
 
-def _fp8_copies(
-    model: Model, infos: Mapping[str, ShardInfo], copies: Mapping[str, Fp8Weight] | None
-) -> Mapping[str, Fp8Weight]:
-    """``copies`` (or {}), ValueError naming one that is not of a master the step hands over whole."""
-    masters = fp8_masters(model, infos)
-    for name in copies or {}:
-        if name not in masters:
-            raise ValueError(
-                f"fp8_copies[{name!r}]: not an expert weight this rank holds whole and hands over as its "
-                f"master (collectives.fp8_masters: {sorted(masters)[:3]}...)"
-            )
-    return copies or {}
-
-
 def parallel_step(
     model: Model,
     shards: Mapping[str, Tensor],
@@ -185,7 +163,6 @@ def parallel_step(
     gather: str = "chunk",
     plan: GatherPlan | None = None,
     memory: MemoryPolicy | None = None,
-    fp8_copies: Mapping[str, Fp8Weight] | None = None,
 ) -> ShardedStep:
     """One step on this rank: (the step's loss, identical on every rank; this rank's gradient shards;
     the step's statistics summed over the world, see ``ShardedStep``).
@@ -200,13 +177,9 @@ def parallel_step(
     the module docstring; both give bitwise the same results; plan: the "chunk" policy's plan,
     ``step_gather_plan(model, mesh, num_microbatches, schedule)`` (made here when None: a pass over
     every use of every parameter, which a trainer makes once); memory: recomputation, offloading and
-    the expert W merge window (``fmoe.memory_policy``; None: the defaults); fp8_copies: with fp8,
-    the FP8 copies the optimizer keeps of the masters ``collectives.fp8_masters`` names (name ->
-    ``Fp8Weight``, each ``quantize_weight`` of its master's value: ``fmoe.stage``'s ownership rule
-    4), which the step's GEMMs then read instead of quantizing the masters. The gradient shards are
-    fp32 where they were summed over ranks, else in the compute dtype.
+    the expert W merge window (``fmoe.memory_policy``; None: the defaults). The gradient shards are fp32 where
+    they were summed over ranks, else in the compute dtype.
     """
-    copies = _fp8_copies(model, infos, fp8_copies) if fp8 else {}
     scale = 1.0 / (mesh.dp * mesh.cp * mesh.ep)
     run = functools.partial(_run, model, batch=local_batch(batch, mesh), num_microbatches=num_microbatches,
                             mesh=mesh, schedule=schedule, seed=seed, timeout_s=timeout_s, memory=memory)  # fmt: skip
@@ -224,7 +197,6 @@ def parallel_step(
             fp8, dense=fp8_dense, dense_wgrad=fp8_dense_wgrad, expert_wgrad=fp8_expert_wgrad,
             cache_inputs=policy.fp8_cache,
             cache_expert_inputs=policy.fp8_cache_experts(mesh.pp, num_microbatches),
-            weights=[(params[n], copy) for n, copy in copies.items()],
         ):  # fmt: skip
             result = run(params, hooks=None)
         del params

@@ -120,8 +120,7 @@ FP8_BLOCK = 128  # the FP8 weights' block (``fmoe.kernels.fp8_quant``: 128 x 128
 
 def fp8_weight_bytes(infos: Mapping[str, ShardInfo], fp8_dense: bool) -> int:
     """With ``train.fp8``: the FP8 copies a step makes of its weights (``fmoe.stages.fp8_mode``:
-    each weight quantized once per step, the copy kept to the step's end; the expert masters' copies
-    kept from one step to the next, written by the optimizer: ``fmoe.train.fp8_copies``) - the weight and its
+    each weight quantized once per step, the copy kept to the step's end) - the weight and its
     transpose in E4M3 (1 byte an element each) and their 128 x 128 block scales (fp32, twice). Counted
     for every weight whose last two dims are multiples of 128 (the experts'; the dense ones too unless
     ``train.fp8_dense`` is off): an upper bound, for the embedding, the router and the LM head, which

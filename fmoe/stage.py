@@ -46,12 +46,6 @@ tensor that crosses F, B and W, in ``fmoe.runner``, ``fmoe.interpreter`` and the
 3. ``into`` (W's accumulator, owned by the caller by rule 2): W adds dense GEMMs into its tensors in
    place (a GEMM with beta = 1, or a product and an add when the accumulator shares memory with the
    GEMM's operands), and the GEMM of a parameter view into the view's slice.
-4. An FP8 step's FP8 copies of the expert masters (``fp8_training(weights=)``, ``Fp8Weight``):
-   read-only, like the masters (rule 1), until the step's last W; then written by the optimizer
-   alone, in the pass that writes the masters (``fmoe.optim.step(fp8_copies=)``), so that between
-   steps each copy is ``quantize_weight`` of its master's value. Whoever writes a master any other
-   way (initialization, a checkpoint read) quantizes its copy again before the next step
-   (``fmoe.train``'s ``_Fp8Copies.refresh``).
 
 B enforces rule 2: a partial gradient whose storage is that of a grad_output or loss seed, a
 grad_input, the output gradient of a taped GEMM or an earlier partial, or that overlaps itself, is

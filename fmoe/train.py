@@ -47,8 +47,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fmoe import collectives, cuda_graphs, optim, parallel, sharding
-from fmoe.kernels import fp8_quant
-from fmoe.kernels.fp8_quant import Fp8Weight
 from fmoe.metrics_log import MetricsLog, Progress, warn
 from fmoe.preemption import StopSignals
 from fmoe.recipe import Recipe
@@ -174,10 +172,8 @@ def _train(
     step = counters["step"]
     last_steps = recipe.train.steps if stop_after is None else min(recipe.train.steps, step + stop_after)
     result = TrainResult(step=step, skipped_steps=counters["skipped_steps"])
-    # the FP8 copies of the expert masters, quantized from the state just made or read
-    copies = fp8_copies(recipe, run, shards)
     # 3.-10. the steps (_Loop.run)
-    loop = _Loop(recipe, run, tx, lr_schedule, counters, last_steps, stack, copies)
+    loop = _Loop(recipe, run, tx, lr_schedule, counters, last_steps, stack)
     shards, state, step = loop.run(shards, state, step, result, on_step)
     # 11. the result: steady-state throughput, the final fp32 masters (canonical, from every rank)
     steps_done, seconds = loop.clock.steady()
@@ -198,7 +194,7 @@ class _Loop:
     CUDA-graphed), the stop-signal handlers (held by ``stack``) and the checkpointer."""
 
     def __init__(self, recipe: Recipe, run: Run, tx, lr_schedule, counters: dict[str, int], last_steps: int,
-                 stack: contextlib.ExitStack, copies: dict[str, Fp8Weight]):  # fmt: skip
+                 stack: contextlib.ExitStack):  # fmt: skip
         lead, c = run.mesh.rank == 0, recipe.checkpoint
         self.recipe, self.device, self.last_steps = recipe, run.device, last_steps
         self.lr_schedule = lr_schedule
@@ -211,7 +207,7 @@ class _Loop:
         self.streak = _NonFiniteStreak(
             counters["nonfinite_streak"], counters["skipped_steps"], recipe.train.max_nonfinite_steps
         )
-        self.train_step = _step_function(recipe, run, tx, copies)
+        self.train_step = _step_function(recipe, run, tx)
         self.stops = stack.enter_context(
             StopSignals(["SIGTERM", "SIGINT", *([c.signal] if c.signal else [])])
         )
@@ -327,31 +323,10 @@ class _NonFiniteStreak:
             )
 
 
-def fp8_copies(recipe: Recipe, run: Run, shards: dict[str, Tensor]) -> dict[str, Fp8Weight]:
-    """The FP8 copies an FP8 run keeps of its expert masters (``collectives.fp8_masters``; {} without
-    ``train.fp8``), each quantized here from its master in ``shards``. From then on the optimizer
-    step writes them with the masters and the next step's GEMMs read them (``fmoe.stage``,
-    ownership rule 4): the masters are not read again to be quantized, 4 bytes an element of every
-    expert weight a step (``optim.step(fp8_copies=)``). The masters written any other way (a
-    checkpoint read) must come through here again; ``train`` reads them only before this call."""
-    if not recipe.train.fp8:
-        return {}
-    copies = {}
-    for name in sorted(collectives.fp8_masters(run.model, run.infos)):
-        master = run.infos[name].unpad(shards[name])
-        copies[name] = fp8_quant.quantize_weight(
-            master, out=fp8_quant.empty_weight(master.shape, master.device)
-        )
-    return copies
-
-
-def _step_function(
-    recipe: Recipe, run: Run, tx: optim.GradientTransformation, copies: dict[str, Fp8Weight]
-) -> Callable:
+def _step_function(recipe: Recipe, run: Run, tx: optim.GradientTransformation) -> Callable:
     """``(shards, state, batch, step) -> (shards, state, loss, skipped)``, loss and skipped device
     tensors: ``parallel.parallel_step`` and the update (``_update``), run eagerly with the seed
-    ``train.seed + step``, or replayed as one CUDA graph (``_graphed_step``). copies: the expert
-    masters' FP8 copies (``fp8_copies``), read by the step and written by the update."""
+    ``train.seed + step``, or replayed as one CUDA graph (``_graphed_step``)."""
 
     def train_step(shards, state, batch, seed: int):
         """One step and its update: (shards, state, loss, skipped), the last two device tensors."""
@@ -361,10 +336,10 @@ def _step_function(
             fp8=recipe.train.fp8, fp8_dense=recipe.train.fp8_dense, fp8_dense_wgrad=recipe.train.fp8_dense_wgrad,
             fp8_expert_wgrad=recipe.train.fp8_expert_wgrad,
             timeout_s=recipe.parallel.timeout_s,
-            gather=recipe.parallel.gather, plan=run.gathers, memory=run.memory, fp8_copies=copies,
+            gather=recipe.parallel.gather, plan=run.gathers, memory=run.memory,
         )  # fmt: skip
         shards, state, skipped = _update(
-            tx, run.model, loss, grads, statistics, state, shards, run.infos, run.mesh, copies
+            tx, run.model, loss, grads, statistics, state, shards, run.infos, run.mesh
         )
         return shards, state, loss, skipped
 
@@ -379,15 +354,14 @@ def _step_function(
     return replay
 
 
-def _update(tx, model, loss: Tensor, grads, statistics, state, shards, infos, mesh, copies=None):
-    """The optimizer step and the model's buffer updates -> (shards, state, skipped: bool tensor);
-    the step also writes the masters' FP8 copies (``copies``, ``fp8_copies``).
+def _update(tx, model, loss: Tensor, grads, statistics, state, shards, infos, mesh):
+    """The optimizer step and the model's buffer updates -> (shards, state, skipped: bool tensor).
 
     A non-finite loss or gradient norm skips both on the device (no host sync); the state then
     keeps the last finite gradient norm, so a checkpoint never holds a non-finite tensor."""
     bad_loss = (~torch.isfinite(loss)).float()
     norm_before = state["grad_norm"]
-    shards, state = optim.step(tx, grads, state, shards, found_inf=bad_loss, fp8_copies=copies)
+    shards, state = optim.step(tx, grads, state, shards, found_inf=bad_loss)
     skipped = (bad_loss > 0) | ~torch.isfinite(state["grad_norm"])
     state = {**state, "grad_norm": torch.where(skipped, norm_before, state["grad_norm"])}
     if model.buffer_updates is not None:  # e.g. the aux-loss-free router bias, from the loads

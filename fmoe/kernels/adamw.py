@@ -41,10 +41,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fmoe.kernels._triton import interpreting, tl, triton, use_triton
-from fmoe.kernels.fp8_quant import GROUP, Fp8Weight, _e4m3_bits, _scales, check_weight_out, quantize_weight
+from fmoe.kernels._triton import tl, triton, use_triton
 
-__all__ = ["BLOCK", "FP8_ROWS", "FP8_WARPS", "NUM_WARPS", "adamw_", "adamw_fp8_"]
+__all__ = ["BLOCK", "NUM_WARPS", "adamw_"]
 
 # Elements and warps per program: 1024 / (8 * 32) = 4 elements a thread, one 16-byte load of each
 # fp32 tensor. A sweep on an H200 (BLOCK 1024..8192 x 4..16 warps, on a first version of the kernel)
@@ -74,45 +73,20 @@ def _adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _adamw_elements(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, scalars_ptr, offs, offs < n,
-                    BETA1, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, EPS, DECAY, HAS_SCALE)  # fmt: skip
-
-
-@triton.jit
-def _adamw_elements(
-    p_ptr,
-    g_ptr,
-    m_ptr,
-    v_ptr,
-    scale_ptr,
-    scalars_ptr,
-    offs,
-    mask,
-    BETA1: tl.constexpr,
-    ONE_MINUS_BETA1: tl.constexpr,
-    BETA2: tl.constexpr,
-    ONE_MINUS_BETA2: tl.constexpr,
-    EPS: tl.constexpr,
-    DECAY: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-):
-    """The step of the elements at ``offs`` (any shape of int64 offsets; ``mask`` as shaped) -> the
-    values p holds after it (the old ones where the step is skipped; 0 where masked off)."""
+    mask = offs < n
     # the step's scalars, [lr * wd, step_size, bc2_sqrt, skip] in fp32 (_step_scalars)
     decay = tl.load(scalars_ptr)
     step_size = tl.load(scalars_ptr + 1)
     bc2_sqrt = tl.load(scalars_ptr + 2)
-    # 1: found_inf, write nothing (a tensor shaped like mask: the interpreter ands no scalar into one)
-    skip = tl.where(mask, 0.0, 0.0) + tl.load(scalars_ptr + 3)
+    skip = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scalars_ptr + 3)  # 1: found_inf, write nothing
     write = mask & (skip == 0.0)
 
-    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     if HAS_SCALE:
         g = g * tl.load(scale_ptr)
-    p = p0
     if DECAY:
         p = tl.fma(-decay, p, p)
     # BETA1, ONE_MINUS_BETA1, ... hold fp32 values: as python scalars they take the fp32 operand's type
@@ -123,73 +97,6 @@ def _adamw_elements(
     tl.store(p_ptr + offs, p, mask=write)
     tl.store(m_ptr + offs, m, mask=write)
     tl.store(v_ptr + offs, v, mask=write)
-    return tl.where(write, p, p0)
-
-
-@triton.jit
-def _adamw_fp8_kernel(
-    p_ptr,
-    g_ptr,
-    m_ptr,
-    v_ptr,
-    scale_ptr,
-    scalars_ptr,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    R,
-    C,
-    BETA1: tl.constexpr,
-    ONE_MINUS_BETA1: tl.constexpr,
-    BETA2: tl.constexpr,
-    ONE_MINUS_BETA2: tl.constexpr,
-    EPS: tl.constexpr,
-    DECAY: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    EMULATE: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """One 128x128 block of expert e's [R, C] weight, ROWS rows at a time: (1) the step of its
-    elements, keeping the block's amax of the values written; (2) the block's scale; (3) each
-    ROWS-row slice read back (the L2 still holds it: HBM sees p read and written once, as in
-    ``_adamw_kernel``, plus the copies' bytes) and quantized into the [R, C] copy, and through
-    transposed pointers into the [C, R] one. The bits are ``quant_weight_block``'s (``quantize_weight``):
-    the same amax (a max is exact in any order), scale and rounding of each element. Small slices
-    keep few registers a thread, so many blocks run on an SM at once: a bandwidth-bound kernel needs
-    those loads in flight. (No tl.trans and no store through transposed pointers, as in
-    ``quant_weight_block``.)"""
-    rb = tl.program_id(0)
-    cb = tl.program_id(1)
-    e = tl.program_id(2).to(tl.int64)
-    base = e * R * C
-    cols = cb * 128 + tl.arange(0, 128)
-    # (1) the step, and the block's amax of what p now holds
-    amax = 0.0
-    for r0 in tl.static_range(0, 128, ROWS):
-        rows = rb * 128 + r0 + tl.arange(0, ROWS)
-        offs = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        kept = _adamw_elements(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, scalars_ptr, offs, mask,
-                               BETA1, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, EPS, DECAY, HAS_SCALE)  # fmt: skip
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(kept), axis=1), axis=0))
-    # (2) the scale, shared by the block and its transpose
-    s, inv = _scales(amax, False)
-    tl.store(s_ptr + (e * tl.cdiv(R, 128) + rb) * tl.cdiv(C, 128) + cb, s)
-    tl.store(st_ptr + (e * tl.cdiv(C, 128) + cb) * tl.cdiv(R, 128) + rb, s)
-    # every thread's stores are seen by the block's loads below (bar.sync orders global memory in a CTA)
-    tl.debug_barrier()
-    # (3) the copies, slice by slice: element (c, r) of the [C, R] copy is p[r, c]
-    for r0 in tl.static_range(0, 128, ROWS):
-        rows = rb * 128 + r0 + tl.arange(0, ROWS)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        w = tl.load(p_ptr + base + rows[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        tl.store(q_ptr + base + rows[:, None] * C + cols[None, :], _e4m3_bits(w * inv, EMULATE), mask=mask)
-        mask_t = (cols[:, None] < C) & (rows[None, :] < R)
-        wt = tl.load(p_ptr + base + rows[None, :] * C + cols[:, None], mask=mask_t, other=0.0)
-        tl.store(
-            qt_ptr + base + cols[:, None] * R + rows[None, :], _e4m3_bits(wt * inv, EMULATE), mask=mask_t
-        )
 
 
 def adamw_(
@@ -252,73 +159,6 @@ def adamw_(
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )
-
-
-# Rows of a 128x128 block the fused step takes at a time, and its warps: ROWS x 128 elements over
-# FP8_WARPS x 32 threads (32 x 128 over 8 warps: 16 of each tensor a thread).
-FP8_ROWS = 32
-FP8_WARPS = 8
-
-
-def adamw_fp8_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    copies: Sequence[Fp8Weight],
-    *,
-    step: int | float | Tensor,
-    lr: float | Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_scale: Tensor | None = None,
-    found_inf: Tensor | None = None,
-    reference: bool = False,
-) -> None:
-    """``adamw_`` over [out, in] or [experts, out, in] params, each of which also leaves its FP8
-    copy ``copies[i]`` holding ``quantize_weight(params[i])`` of the updated value (of the value
-    kept, when ``found_inf`` skips the step): bit for bit ``adamw_`` then ``quantize_weight(out=)``.
-
-    One pass: each 128x128 block is stepped and then quantized while the L2 holds it, so the next
-    step's FP8 GEMMs read these copies and the fp32 masters are not read again to make them (4
-    bytes an element, a third of an FP8 step's weight bytes). copies: ``fp8_quant.empty_weight(
-    params[i].shape, device)``. Other arguments as ``adamw_``; the reference (and any device the
-    kernel does not run on) is ``adamw_`` then ``quantize_weight(out=)``.
-    """
-    if len(copies) != len(params):
-        raise ValueError(f"adamw_fp8_: {len(params)} params but {len(copies)} copies")
-    for i, (p, out) in enumerate(zip(params, copies)):
-        if p.dim() not in (2, 3):
-            raise ValueError(
-                f"adamw_fp8_: params[{i}] must be [out, in] or [experts, out, in], got {tuple(p.shape)}"
-            )
-        check_weight_out(p, out, f"copies[{i}]")
-    _check(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
-    if not params:
-        return
-    if reference or not use_triton(params[0]):
-        adamw_(params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, grad_scale=grad_scale, found_inf=found_inf, reference=reference)  # fmt: skip
-        for p, out in zip(params, copies):
-            quantize_weight(p, out=out)
-        return
-    scalars = _step_scalars(step, lr, beta1, beta2, weight_decay, params[0].device, found_inf)
-    scale = scalars if grad_scale is None else grad_scale
-    b1, c1, b2, c2, eps32 = _hyper(beta1, beta2, eps)
-    for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, copies):
-        if p.numel() == 0:
-            continue
-        R, C = p.shape[-2:]
-        E = p.numel() // (R * C)
-        _adamw_fp8_kernel[(-(-R // GROUP), -(-C // GROUP), E)](
-            p, g, m, v, scale, scalars,
-            out.data.view(torch.uint8), out.scale, out.data_t.view(torch.uint8), out.scale_t, R, C,
-            BETA1=b1, ONE_MINUS_BETA1=c1, BETA2=b2, ONE_MINUS_BETA2=c2, EPS=eps32,
-            DECAY=weight_decay != 0, HAS_SCALE=grad_scale is not None, EMULATE=interpreting(),
-            ROWS=FP8_ROWS, num_warps=FP8_WARPS,
-        )  # fmt: skip
 
 
 def _adamw_torch(params, grads, exp_avgs, exp_avg_sqs, scalars, hyper, decays, grad_scale) -> None:

@@ -614,67 +614,24 @@ def quantize_act_t_gathered(
     return _launch_tiles(parts, first.shape[1], 0, 0, offs, pow2_scales, False, (src_part, src_row))
 
 
-def empty_weight(shape: Sequence[int], device: torch.device | str) -> Fp8Weight:
-    """An uninitialized Fp8Weight for a [out, in] or [experts, out, in] weight: ``quantize_weight``'s
-    ``out``, or the FP8 copies an optimizer keeps (``fmoe.optim_fused``)."""
-    *lead, n, k = shape
-    nb, kb = cdiv(n, GROUP), cdiv(k, GROUP)
-    return Fp8Weight(
-        torch.empty(*lead, n, k, dtype=FP8_DTYPE, device=device),
-        torch.empty(*lead, nb, kb, dtype=torch.float32, device=device),
-        torch.empty(*lead, k, n, dtype=FP8_DTYPE, device=device),
-        torch.empty(*lead, kb, nb, dtype=torch.float32, device=device),
-    )
-
-
-def check_weight_out(w: Tensor, out: Fp8Weight, name: str = "out") -> None:
-    """ValueError unless ``out`` is what ``quantize_weight(w)`` returns in shape, dtype and device,
-    every tensor contiguous (the kernels write them row-major)."""
-    like = empty_weight(w.shape, "meta")
-    for field, want in zip(
-        ("data", "scale", "data_t", "scale_t"), (like.data, like.scale, like.data_t, like.scale_t)
-    ):
-        got = getattr(out, field)
-        if (
-            got.shape != want.shape
-            or got.dtype != want.dtype
-            or got.device != w.device
-            or not got.is_contiguous()
-        ):
-            raise ValueError(
-                f"{name}.{field}: expected a contiguous {tuple(want.shape)} {want.dtype} tensor on "
-                f"{w.device} for a {tuple(w.shape)} weight, got {tuple(got.shape)} {got.dtype} on {got.device}"
-            )
-
-
-def quantize_weight(w: Tensor, *, pow2_scales: bool = False, out: Fp8Weight | None = None) -> Fp8Weight:
-    """w: [out, in] or [experts, out, in] (bf16/fp32) -> Fp8Weight with 128x128 block scales.
-    out: an Fp8Weight to write into (``empty_weight(w.shape, w.device)``) and return; None: new tensors."""
+def quantize_weight(w: Tensor, *, pow2_scales: bool = False) -> Fp8Weight:
+    """w: [out, in] or [experts, out, in] (bf16/fp32) -> Fp8Weight with 128x128 block scales."""
     if w.dim() not in (2, 3):
         raise ValueError(f"w: expected [out, in] or [experts, out, in], got shape {tuple(w.shape)}")
-    if out is not None:
-        check_weight_out(w, out)
     if not use_triton(w):
-        ref = quantize_weight_reference(w, pow2_scales=pow2_scales)
-        if out is None:
-            return ref
-        for dst, src in zip(
-            (out.data, out.scale, out.data_t, out.scale_t), (ref.data, ref.scale, ref.data_t, ref.scale_t)
-        ):
-            dst.copy_(src)
-        return out
+        return quantize_weight_reference(w, pow2_scales=pow2_scales)
     w3 = w.contiguous().view(-1, *w.shape[-2:])
     E, N, K = w3.shape
-    dst = out if out is not None else empty_weight((E, N, K), w.device)
-    q, s, qt, st = dst.data, dst.scale, dst.data_t, dst.scale_t
-    q3, s3, qt3, st3 = (t.view(-1, *t.shape[-2:]) for t in (q, s, qt, st))
+    NB, KB = cdiv(N, GROUP), cdiv(K, GROUP)
+    q = torch.empty(E, N, K, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(E, NB, KB, dtype=torch.float32, device=w.device)
+    qt = torch.empty(E, K, N, dtype=FP8_DTYPE, device=w.device)
+    st = torch.empty(E, KB, NB, dtype=torch.float32, device=w.device)
     if w3.numel() > 0:  # [N, K] and its [K, N] transpose (the input gradient reads it), one launch
-        _quant_weight_kernel[(cdiv(N, GROUP), cdiv(K, GROUP), E)](
-            w3, q3.view(torch.uint8), s3, qt3.view(torch.uint8), st3, N, K,
+        _quant_weight_kernel[(NB, KB, E)](
+            w3, q.view(torch.uint8), s, qt.view(torch.uint8), st, N, K,
             POW2=pow2_scales, EMULATE=interpreting(), num_warps=WEIGHT_WARPS,
         )  # fmt: skip
-    if out is not None:
-        return out
     if w.dim() == 2:
         q, qt, s, st = q[0], qt[0], s[0], st[0]
     return Fp8Weight(q, s, qt, st)

@@ -56,7 +56,7 @@ from torch import Tensor
 from fmoe.stages.recompute import is_recomputed
 
 if TYPE_CHECKING:
-    from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT, Fp8Weight
+    from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT
 
 __all__ = [
     "CachedInput",
@@ -117,7 +117,6 @@ def fp8_training(
     expert_wgrad: bool = True,
     cache_inputs: bool = False,
     cache_expert_inputs: bool = False,
-    weights: Sequence[tuple[Tensor, Fp8Weight]] = (),
 ) -> Iterator[None]:
     """Run ``linear`` / ``grouped_linear`` as FP8 GEMMs (DeepSeek-V3's recipe) inside this block.
 
@@ -140,13 +139,8 @@ def fp8_training(
     form their weight gradient reads, not in the compute dtype (bitwise the same results; see the
     module docstring). Expert inputs only where no micro-batch's expert W is merged with another's
     (``MemoryPolicy.fp8_cache_experts`` decides; a merge of cached parts is refused).
-    weights: FP8 copies made before the block, as (w, copy) pairs, ``copy`` being
-    ``quantize_weight(w)`` of w's value now: a GEMM on w (the same storage, offset, shape, strides,
-    dtype and version) reads ``copy`` and quantizes nothing. The optimizer writes them for the expert
-    masters (``fmoe.optim.step(fp8_copies=)``); keeping them equal to the masters' values is the
-    caller's rule (``fmoe.stage``, ownership rule 4).
     """
-    token = _FP8_WEIGHTS.set({_weight_key(w): copy for w, copy in weights} if enabled else None)
+    token = _FP8_WEIGHTS.set({} if enabled else None)
     dense_token = _FP8_DENSE.set(dense)
     wgrad_token = _FP8_DENSE_WGRAD.set(dense_wgrad)
     expert_wgrad_token = _FP8_EXPERT_WGRAD.set(expert_wgrad)
@@ -170,9 +164,9 @@ def _quantize_weight(w: Tensor):
     return quantize_weight(w)
 
 
-def _weight_key(w: Tensor) -> tuple:
+def _fp8_weight(w: Tensor, cache: dict):
     # strides too: a view (``w.t()``, a slice of a fused weight) is another weight on the same storage
-    return (
+    key = (
         w.untyped_storage().data_ptr(),
         w.storage_offset(),
         tuple(w.shape),
@@ -180,10 +174,6 @@ def _weight_key(w: Tensor) -> tuple:
         w.dtype,
         w._version,
     )
-
-
-def _fp8_weight(w: Tensor, cache: dict):
-    key = _weight_key(w)
     if key not in cache:
         cache[key] = _quantize_weight(w.detach())
     return cache[key]

@@ -122,6 +122,20 @@ def test_from_the_root_the_packages_names_find_nothing_of_fmoe():
             assert not ours and not (origin and Path(origin).resolve().is_relative_to(REPO)), (name, spec)
 
 
+def test_an_installed_recipes_package_wins_over_the_root_data_folder(tmp_path):
+    """The root's recipes/ shadows nothing: from the checkout's root, with a regular ``recipes``
+    package installed (here on PYTHONPATH, after the root on sys.path), ``import recipes`` imports
+    that package, not the data folder."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "__init__.py").write_text("WHO = 'installed'\n")
+    probe = "import recipes; print(recipes.__file__, getattr(recipes, 'WHO', None))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+        check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert out == [str(tmp_path / "recipes" / "__init__.py"), "installed"], out
+
+
 @pytest.mark.parametrize("editable", [False, True], ids=["normal", "editable"])
 def test_subpackages_map_into_the_fmoe_namespace_and_nothing_else_is_installed(tmp_path, editable):
     import setuptools

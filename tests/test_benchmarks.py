@@ -151,6 +151,14 @@ def test_the_fp8_gemm_probe_names_an_unknown_config_and_exits_2(capsys):
     assert e.value.code == 2 and "unknown configs ['nope']" in capsys.readouterr().err
 
 
+def test_the_gluon_benchmark_names_an_unknown_variant_and_exits_2(capsys):
+    from benchmarks import bench_gluon_fp8
+
+    with pytest.raises(SystemExit) as e:
+        bench_gluon_fp8.main(["--variants", "ws_s4,nope"])
+    assert e.value.code == 2 and "unknown ['nope']" in capsys.readouterr().err
+
+
 def test_deepgemm_benchmark_lays_fmoes_fp8_operands_out_as_deepgemm_reads_them():
     # what DeepGEMM is timed on must be the very operands fmoe's kernels get, moved, not changed
     import torch

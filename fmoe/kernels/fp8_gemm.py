@@ -135,7 +135,11 @@ class GemmConfig:
 # the same block scales ran at 0.92-1.17x these tiles (forward / input gradient) and 0.86-1.09x (weight
 # gradient) on an H200 (benchmarks/bench_cutlass_fp8.py, results/issue26_cutlass_grouped_h200.json);
 # DeepGEMM's forward / input gradients at 1.19-1.28x on an H100, Qwen3 shapes, with each expert's rows
-# padded to 128 (bench_deepgemm_fp8.py, results/issue26_deepgemm_grouped_h100.json).
+# padded to 128 (bench_deepgemm_fp8.py, results/issue26_deepgemm_grouped_h100.json). Promoting block
+# k-1 while block k's wgmma runs, inside one program or warp-specialized (Gluon kernels of the same
+# bits, bench_gluon_fp8.py), ran at 0.45-0.86x these tiles on an H100 (Qwen3, forward / input
+# gradient; results/issue26_gluon_overlap_2026-12-07_h100.json): its second product in flight leaves
+# room for two programs a SM, not three, and that costs more than the overlap saves.
 BASE_CONFIG = GemmConfig(
     block_m=64, block_n=128, num_warps=4, num_stages=3, flatten=True, programs_per_sm=3, max_registers=168
 )

@@ -145,17 +145,7 @@ def _gl_nt_kernel(
         for i in gl.static_range(STAGES - 1):  # prologue: the first STAGES - 1 blocks
             slot = (counter + i) % STAGES
             bar = ready.index(slot)
-            _load(
-                a_desc,
-                b_desc,
-                row0,
-                b_row,
-                i * BLOCK_K,
-                bar,
-                a_smem.index(slot),
-                b_smem.index(slot),
-                i < k_iters,
-            )
+            _load(a_desc, b_desc, row0, b_row, i * BLOCK_K, bar, a_smem.index(slot), b_smem.index(slot), i < k_iters)  # fmt: skip
 
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_layout)
         sa_ptrs = sa_ptr + gl.minimum(rows, M - 1) * stride_sam
@@ -184,17 +174,7 @@ def _gl_nt_kernel(
             pred = nxt < k_iters
             pslot = (counter + nxt) % STAGES
             bar = ready.index(pslot)
-            _load(
-                a_desc,
-                b_desc,
-                row0,
-                b_row,
-                nxt * BLOCK_K,
-                bar,
-                a_smem.index(pslot),
-                b_smem.index(pslot),
-                pred,
-            )
+            _load(a_desc, b_desc, row0, b_row, nxt * BLOCK_K, bar, a_smem.index(pslot), b_smem.index(pslot), pred)  # fmt: skip
         if OVERLAP:
             done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
             acc = acc + done * gl.expand_dims(s_prev, 1)
@@ -253,17 +233,7 @@ def _gl_wgrad_kernel(
         for i in gl.static_range(STAGES - 1):
             slot = (counter + i) % STAGES
             bar = ready.index(slot)
-            _load(
-                a_desc,
-                b_desc,
-                m0,
-                n0,
-                t0 + i * BLOCK_K,
-                bar,
-                a_smem.index(slot),
-                b_smem.index(slot),
-                i < k_iters,
-            )
+            _load(a_desc, b_desc, m0, n0, t0 + i * BLOCK_K, bar, a_smem.index(slot), b_smem.index(slot), i < k_iters)  # fmt: skip
         rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
         sa_ptrs = (
@@ -302,17 +272,7 @@ def _gl_wgrad_kernel(
             pred = nxt < k_iters
             pslot = (counter + nxt) % STAGES
             bar = ready.index(pslot)
-            _load(
-                a_desc,
-                b_desc,
-                m0,
-                n0,
-                t0 + nxt * BLOCK_K,
-                bar,
-                a_smem.index(pslot),
-                b_smem.index(pslot),
-                pred,
-            )
+            _load(a_desc, b_desc, m0, n0, t0 + nxt * BLOCK_K, bar, a_smem.index(pslot), b_smem.index(pslot), pred)  # fmt: skip
         if OVERLAP:
             kp = gl.maximum(k_iters - 1, 0)
             # an empty expert reads no scales (its group_start may be the end of them)
@@ -362,17 +322,7 @@ def _ws_loader(p, RING: gl.constexpr, SCATTER: gl.constexpr, BLOCK_M: gl.constex
             idx = r * STAGES + c % STAGES
             mbarrier.wait(empty.index(idx), ((c // STAGES) & 1) ^ 1)
             b_row = e * N + nt * BLOCK_N
-            _load(
-                a_desc,
-                b_desc,
-                row0,
-                b_row,
-                ki * BLOCK_K,
-                ready.index(idx),
-                a_bufs.index(idx),
-                b_bufs.index(idx),
-                True,
-            )
+            _load(a_desc, b_desc, row0, b_row, ki * BLOCK_K, ready.index(idx), a_bufs.index(idx), b_bufs.index(idx), True)  # fmt: skip
         c0 = gl.where(r == 0, c0 + k_iters, c0)
         c1 = gl.where(r == 0, c1, c1 + k_iters)
         j += 1  # noqa: SIM113 - a Gluon loop takes no enumerate

@@ -92,6 +92,19 @@ def _load(a_desc, b_desc, a_row, b_row, k, bar, a_buf, b_buf, pred):
 
 
 @gluon.jit
+def _ring(
+    a_desc, b_desc, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr
+):
+    """STAGES stages of both operands' K-blocks and a ready barrier each (TMA signals it)."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+    return a_smem, b_smem, ready
+
+
+@gluon.jit
 def _tile(
     tile_id, num_m, num_n, E, k_tiles, tile_expert_ptr, tile_row_ptr, group_end_ptr, GROUP_M: gl.constexpr
 ):
@@ -126,13 +139,7 @@ def _gl_nt_kernel(
     mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-
+    a_smem, b_smem, ready = _ring(a_desc, b_desc, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
     zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     counter = 0  # K-blocks this program has loaded (= consumed at each tile's end): slot and phase
     for tile_id in range(gl.program_id(0), num_m * num_n, NUM_PROGRAMS):
@@ -210,11 +217,7 @@ def _gl_wgrad_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])  # one scale a thread, loaded once
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
+    a_smem, b_smem, ready = _ring(a_desc, b_desc, STAGES, BLOCK_M, BLOCK_N, BLOCK_K)
     zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
     counter = 0
     per_expert = num_m * num_n

@@ -87,3 +87,26 @@ def test_help_returns_zero(capsys):
 def test_parse_costs_per_stage():
     c = parse_costs("f=1/2, b=3, transfer=0.5")
     assert (c.f, c.b, c.w, c.transfer) == ((1.0, 2.0), 3.0, 1.0, 0.5)
+
+
+def test_the_png_legend_sits_clear_of_the_axes_labels():
+    # the legend below the timeline once covered the x label ("time") at some rank counts
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from fmoe.schedules.render import timeline_figure
+    from fmoe.schedules.simulator import Costs, simulate
+
+    for name, pp, microbatches in (("1f1b", 2, 4), ("dualpipev", 4, 8), ("zbv", 8, 16)):
+        schedule = generate(name, pp, microbatches)
+        fig = timeline_figure(schedule, simulate(schedule, Costs()))
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        fig.draw(renderer)
+        (ax,) = fig.axes
+        legends = [*fig.legends, *([ax.get_legend()] if ax.get_legend() else [])]
+        assert len(legends) == 1, name
+        legend = legends[0].get_window_extent(renderer)
+        labels = [ax.xaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()]
+        for text in labels:
+            box = text.get_window_extent(renderer)
+            assert not (text.get_text() and legend.overlaps(box)), (name, text.get_text())
+        assert fig.bbox.contains(legend.x0, legend.y0) and fig.bbox.contains(legend.x1, legend.y1), name

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .simulator import Costs, SimResult
 from .table import Action, Schedule
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # Colours by action, as in the DualPipe README's figures; chunk 1 is drawn lighter.
 COLOURS = {"F": "#f4b183", "B": "#9dc3e6", "W": "#a9d18e", "BW": "#7fa7d6", "FB": "#f6d55c"}
@@ -82,12 +86,19 @@ def figures(schedule: Schedule, result: SimResult, costs: Costs) -> str:
 
 
 def save_png(schedule: Schedule, result: SimResult, path: str | Path) -> None:
-    """A timeline coloured by action (chunk 1 lighter), one row per rank, microbatch numbers in boxes."""
-    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
+    """:func:`timeline_figure` written to ``path`` as a PNG."""
+    timeline_figure(schedule, result).savefig(path, dpi=120)
+
+
+def timeline_figure(schedule: Schedule, result: SimResult) -> Figure:
+    """A timeline coloured by action (chunk 1 lighter), one row per rank, microbatch numbers in boxes;
+    a matplotlib Figure (no pyplot: the caller's backend is left alone)."""
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     span = result.makespan or 1.0
-    fig = Figure(figsize=(min(max(8.0, span * 0.3), 40.0), 0.45 * schedule.pp + 1.3))
+    # constrained layout keeps the legend, placed outside the axes below, clear of the x label
+    fig = Figure(figsize=(min(max(8.0, span * 0.3), 40.0), 0.45 * schedule.pp + 1.3), layout="constrained")
     ax = fig.subplots()
     shortest = min((t1 - t0 for tl in result.timeline for t0, t1, _ in tl if t1 > t0), default=1.0)
     for r, tl in enumerate(result.timeline):
@@ -124,13 +135,11 @@ def save_png(schedule: Schedule, result: SimResult, path: str | Path) -> None:
         "BW": "BW full backward",
         "FB": "FB overlapped",
     }
-    ax.legend(
+    fig.legend(
         handles=[Patch(color=COLOURS[k], label=names[k]) for k in kinds],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.35 if schedule.pp < 4 else -0.15),
+        loc="outside lower center",
         ncol=len(kinds),
         fontsize=7,
         frameon=False,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig

@@ -13,7 +13,6 @@ One run does, in this order, saving the JSON after each part:
    projections over 4096 tokens, expert up (2048 -> 2x768) / down (768 -> 2048) projections over
    131072 routed tokens on 128 experts (multinomial routing: unaligned, uneven groups);
 4. quantization and fused kernels' bandwidth, against a measured device-to-device copy;
-   (tiles: the token-wise quantization at a layer's shapes, every launch shape of its kernel);
 5. a step's merged expert weight gradients: BF16, FP8 on copied rows, FP8 on gathered rows.
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls).
 """
@@ -545,9 +544,13 @@ def bandwidth() -> None:
     t_bytes = T * H * 2 + H * cap + H * cap // 128 * 4
     rt_bytes = t_bytes + T * H + T * H // 128 * 4
     sweep = {}
-    r["quantize_act_t grouped + rows [131072, 2048] (fused, one read)"] = tbps(
-        rt_bytes, ms(lambda: fq.quantize_act_t(x, offs, with_rows=True))
-    )
+    for nw in (8, 16, 4):
+        fq.TILES_WARPS = nw
+        sweep[f"warps={nw}"] = tbps(rt_bytes, ms(lambda: fq.quantize_act_t(x, offs, with_rows=True)))
+    r["quantize_act_t_with_rows_sweep"] = sweep
+    best = max(sweep, key=lambda k: sweep[k]["tbps"])
+    fq.TILES_WARPS = int(best.split("=")[1])
+    r["quantize_act_t grouped + rows [131072, 2048] (fused, one read)"] = {**sweep[best], "launch": best}
     r["quantize_act_t grouped [131072, 2048]"] = tbps(t_bytes, ms(lambda: fq.quantize_act_t(x, offs)))
 
     w = (torch.randn(E, 1536, H, device=DEV) * 0.02).bfloat16()
@@ -577,137 +580,6 @@ def bandwidth() -> None:
             k,
             v if not isinstance(v, dict) or "tbps" not in v else f"{v['tbps']:.2f} TB/s ({v['of_copy']:.0%})",
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# 4b. the token-wise (tile) quantization at a Qwen3 layer's own shapes, every launch shape
-
-
-def _routing(tokens: int, experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's top-k routing: (order [tokens * top_k] int64, the slot (token * top_k + j)
-    of each expert-sorted row; offs [experts] int32 cumulative expert ends)."""
-    chosen = torch.rand(tokens, experts, device=DEV).topk(top_k, dim=1).indices.reshape(-1)
-    order = torch.sort(chosen, stable=True).indices
-    offs = torch.cumsum(torch.bincount(chosen, minlength=experts), 0).to(torch.int32)
-    return order, offs
-
-
-def _tile_cases(T: int = 4096, E: int = 128, K: int = 8, H: int = 2048, I: int = 768, MB: int = 8) -> dict:  # noqa: E741
-    """name -> (run, reference outputs, launch key, bytes moved): the tile quantizations of a Qwen3
-    layer's step (MB micro-batches x T tokens, top-K of E experts, hidden H, expert width I); run()
-    quantizes with the launch table fq.TILES_LAUNCH holds when it is called."""
-    routings = [_routing(T, E, K) for _ in range(MB)]
-    counts = torch.stack([torch.diff(offs, prepend=offs.new_zeros(1)) for _, offs in routings])  # [MB, E]
-    merged_offs = torch.cumsum(counts.sum(0), 0).to(torch.int32)
-    n = int(merged_offs[-1])
-    # merged row of part i's row r (expert e): e's merged start + e's rows in parts before i + r's rank in e
-    starts = merged_offs.long() - counts.sum(0) + torch.cumsum(counts, 0) - counts  # [MB, E]
-    src_part = torch.empty(n, dtype=torch.int32, device=DEV)
-    token_row = torch.empty(n, dtype=torch.int32, device=DEV)
-    slot_row = torch.empty(n, dtype=torch.int32, device=DEV)
-    own_row = torch.empty(n, dtype=torch.int32, device=DEV)
-    for i, (order, offs) in enumerate(routings):
-        rows = torch.arange(order.numel(), device=DEV)
-        expert = torch.searchsorted(offs.long(), rows, right=True)
-        dest = starts[i][expert] + rows - (offs.long() - counts[i])[expert]
-        src_part[dest] = i
-        token_row[dest] = (order // K).to(torch.int32)
-        slot_row[dest] = order.to(torch.int32)
-        own_row[dest] = rows.to(torch.int32)
-    cap = (n // 128 + E) * 128
-    cases = {}
-
-    def gathered(name, parts, src_row, width):
-        rows = torch.cat(parts)[
-            (
-                torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=DEV).cumsum(0)[src_part.long()]
-                + src_row.long()
-            )
-        ]
-        want = fq.quantize_act_t_reference(rows, merged_offs)
-        del rows
-        nbytes = n * width * 2 + cap * width + cap // 128 * width * 4
-        run = lambda: fq.quantize_act_t_gathered(parts, src_part, src_row, merged_offs)  # noqa: E731
-        cases[name] = (run, want, (0, False), nbytes)
-
-    xs = [acts(T, H, spread=False) for _ in range(MB)]
-    gathered(f"x_t merged, gathered from the tokens [{MB} x {T} -> {n}, {H}]", xs, token_row, H)
-    del xs
-    dys = [acts(T * K, H, spread=False) for _ in range(MB)]
-    gathered(f"dy_t merged, gathered from the slots [{MB} x {T * K} -> {n}, {H}]", dys, slot_row, H)
-    del dys
-    dhs = [acts(T * K, 2 * I, spread=False) for _ in range(MB)]
-    gathered(f"dgate_up_t merged, own rows [{MB} x {T * K} -> {n}, {2 * I}]", dhs, own_row, 2 * I)
-    del dhs
-    order, offs = routings[0]
-    h = acts(T * K, 2 * I, spread=False)
-    cap1 = (T * K // 128 + E) * 128
-    want = fq.quantize_act_t_reference(fused.swiglu(h), offs, with_rows=True)  # the kernel's own swiglu
-    run = lambda: fused.swiglu_quant(h, offs, with_t=True)  # noqa: E731
-    nbytes = T * K * 2 * I * 2 + T * K * I + cap1 * I + (T * K + cap1) * I // 128 * 4
-    cases[f"swiglu_quant with_t, one micro-batch [{T * K}, 2x{I}]"] = (run, want, (1, True), nbytes)
-    for width in (H, 2 * H):
-        d = acts(T, width, spread=False)
-        want = fq.quantize_act_t_reference(d, None, with_rows=True)
-        run = lambda d=d: fq.quantize_act_t(d, None, with_rows=True)  # noqa: E731
-        nbytes = T * width * 2 + 2 * T * width + 2 * T * width // 128 * 4
-        cases[f"dense with rows (a projection's dy) [{T}, {width}]"] = (run, want, (0, True), nbytes)
-    return cases
-
-
-def _copy_tbps() -> float:
-    """A device-to-device copy's bandwidth, TB/s (512 MiB, read and written)."""
-    src = torch.randn(1 << 28, device=DEV).bfloat16()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / ms(lambda: dst.copy_(src)) / 1e9
-
-
-def _flat(out) -> list[torch.Tensor]:
-    pairs = out if isinstance(out, tuple) else (out,)
-    return [t for a in pairs for t in (a.data, a.scale)]
-
-
-@part("tiles")
-def tiles() -> None:
-    """Every launch shape of the tile quantization (columns a chunk, the transpose by a second load
-    or by tl.trans, warps) on the layer's own shapes, checked bitwise against the torch reference,
-    then timed; the best shape per launch key (summed over the cases that share it)."""
-    r = RESULT.setdefault("tiles", {})
-    copy = _copy_tbps()
-    r["copy_tbps_measured"] = copy
-    default = dict(fq.TILES_LAUNCH)
-    r["launch_before"] = {str(k): v for k, v in default.items()}
-    shapes = [(bc, tload, w) for bc in (32, 64, 128) for tload in (False, True) for w in (4, 8)]
-    per_key: dict = {}
-    try:
-        for name, (run, want, key, nbytes) in _tile_cases().items():
-            row = r.setdefault(name, {"launch_key": str(key)})
-            for shape in shapes:
-                fq.TILES_LAUNCH = {**default, key: shape}
-                poison()
-                try:
-                    ok = all(bits_equal(a, b) for a, b in zip(_flat(run()), _flat(want), strict=True))
-                    t = ms(run)
-                except Exception as e:  # a shape that does not compile here is recorded, not fatal
-                    row[str(shape)] = {"error": repr(e)[:300], "bits_equal": False, "ms": float("inf")}
-                    per_key.setdefault(str(key), {})[str(shape)] = float("inf")
-                    continue
-                row[str(shape)] = {"ms": t, "of_copy": nbytes / t / 1e9 / copy, "bits_equal": ok}
-                if ok:
-                    per_key.setdefault(str(key), {}).setdefault(str(shape), 0.0)
-                    per_key[str(key)][str(shape)] += t
-                else:
-                    per_key.setdefault(str(key), {})[str(shape)] = float("inf")
-            best = min((v["ms"], k) for k, v in row.items() if isinstance(v, dict) and v["bits_equal"])
-            row["best"] = best[1]
-            log(f"{name}: default {row[str(default[key])]['ms']:.3f} ms ({row[str(default[key])]['of_copy']:.0%}), "
-                f"best {best[1]} {best[0]:.3f} ms ({row[best[1]]['of_copy']:.0%})")  # fmt: skip
-            save(OUT)
-    finally:
-        fq.TILES_LAUNCH = default
-    r["best_per_key"] = {k: min(v, key=v.get) for k, v in per_key.items()}
-    r["sum_ms_per_key"] = per_key
-    print("best per key:", r["best_per_key"], flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -824,7 +696,6 @@ PARTS = {
     "dense_8192": dense_8192,
     "qwen3_layer": qwen3_layer,
     "bandwidth": bandwidth,
-    "tiles": tiles,
     "merge": merge,
     "warp_specialized": warp_specialized,
 }

@@ -115,43 +115,6 @@ def test_quantize_act_t_grouped_compiled_equals_reference_bitwise():
         assert _bits_equal(getattr(cols, field), getattr(want_cols, field)), field
 
 
-@pytest.mark.parametrize("block_c", [32, 64, 128])
-@pytest.mark.parametrize("trans_load", [False, True], ids=["trans", "second_load"])
-def test_every_launch_shape_of_the_tile_kernel_compiled_writes_the_reference_bits(
-    block_c, trans_load, monkeypatch
-):
-    # whatever the launch table holds, compiled: plain (gathered from two parts), with rows, SwiGLU
-    from fmoe.kernels import fp8_quant as fq
-    from fmoe.kernels import fused
-
-    monkeypatch.setattr(
-        fq, "TILES_LAUNCH", {k: (block_c, trans_load, 8 if block_c == 128 else 4) for k in fq.TILES_LAUNCH}
-    )
-    x = _activations(4096 + 77, 1600, seed=4)
-    offs = _ragged_offs(x.shape[0], 16, seed=5)
-    h = _randn(4096 + 77, 2 * 800, seed=6, dtype=torch.bfloat16, scale=3.0)
-    torch.empty(16 * x.numel(), dtype=torch.uint8, device=x.device).fill_(0xFF)  # unwritten bytes show
-    perm = torch.randperm(x.shape[0], generator=_gen(7), device="cuda")
-    split = 1000
-    src_part = (perm >= split).to(torch.int32)
-    src_row = torch.where(perm >= split, perm - split, perm).to(torch.int32)
-    outs = {
-        "gathered": (
-            (fq.quantize_act_t_gathered([x[:split], x[split:]], src_part, src_row, offs),),
-            (fq.quantize_act_t_reference(x[perm], offs),),
-        ),
-        "rows": (fq.quantize_act_t(x, offs, with_rows=True), fq.quantize_act_t_reference(x, offs, with_rows=True)),
-        "dense rows": (fq.quantize_act_t(x, None, with_rows=True), fq.quantize_act_t_reference(x, None, with_rows=True)),
-        "swiglu": (
-            fused.swiglu_quant(h, offs, with_t=True),
-            fq.quantize_act_t_reference(fused.swiglu(h), offs, with_rows=True),
-        ),
-    }  # fmt: skip
-    for name, (got, want) in outs.items():
-        for g, w in zip(got, want, strict=True):
-            assert _bits_equal(g.data, w.data) and _bits_equal(g.scale, w.scale), name
-
-
 def test_merged_fp8_wgrad_gathers_its_rows_bitwise_as_the_copied_rows(monkeypatch):
     # a step's merged expert wgrad at Qwen3 shapes (8 microbatches x 4096 tokens x top-8, 128
     # experts, hidden 2048, expert width 768): quantizing the rows where they lie gives the bits of

@@ -71,31 +71,6 @@ def test_quantize_act_t_grouped_equals_reference_bitwise(pow2):
     assert cols.group_len.tolist() == [0, 128, 0, 256, 128, 0]
 
 
-@pytest.mark.parametrize("block_c", [32, 64, 128])
-@pytest.mark.parametrize("trans_load", [False, True])
-def test_every_launch_shape_of_the_tile_kernel_writes_the_reference_bits(block_c, trans_load, monkeypatch):
-    # a program quantizes its 128 x 128 tile BLOCK_C columns at a time (the rows' amax first, over
-    # every chunk), getting each chunk's transpose by a second load or by tl.trans: every shape the
-    # launch table may hold writes the same bits, for all three launch keys (plain, with rows, SwiGLU)
-    from fmoe.kernels import fused
-
-    monkeypatch.setattr(fq, "TILES_LAUNCH", {key: (block_c, trans_load, 4) for key in fq.TILES_LAUNCH})
-    x = _activations(333, 200, seed=6)
-    offs = torch.tensor([0, 50, 50, 300, 333, 333], dtype=torch.int32)
-    h = (torch.randn(333, 400, generator=torch.Generator().manual_seed(7)) * 3).bfloat16()
-    outs = {
-        "plain": ((fq.quantize_act_t(x, offs, pow2_scales=True),), (fq.quantize_act_t_reference(x, offs, pow2_scales=True),)),
-        "rows": (fq.quantize_act_t(x, offs, with_rows=True), fq.quantize_act_t_reference(x, offs, with_rows=True)),
-        "swiglu": (
-            fused.swiglu_quant(h, offs, with_t=True),
-            fq.quantize_act_t_reference(fused.swiglu(h), offs, with_rows=True),
-        ),
-    }  # fmt: skip
-    for name, (got, want) in outs.items():
-        for g, w in zip(got, want, strict=True):
-            assert _bits_equal(g.data, w.data) and _bits_equal(g.scale, w.scale), name
-
-
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_quantize_act_t_gathered_equals_quantize_act_t_of_the_gathered_rows(backend, monkeypatch):
     # three parts of different lengths (one empty), rows taken out of order and across parts, expert

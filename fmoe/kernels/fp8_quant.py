@@ -33,14 +33,7 @@ AMAX_EPS = 1e-12  # floor of a group's amax, so an all-zero group gets a finite 
 
 # Launch shapes of the memory-bound kernels (measured on one H200, benchmarks/bench_fp8.py)
 ROWS_BLOCK_R, ROWS_WARPS = 32, 4  # _quant_rows_kernel: rows x 128 columns per program
-# _quant_tiles_kernel: a program takes 128 tokens x 128 columns, BLOCK_C columns at a time, and
-# gets the chunk's transpose by a second load through transposed pointers or by tl.trans;
-# (prologue, rows) -> (BLOCK_C, TRANS_LOAD, num_warps)
-TILES_LAUNCH = {
-    (0, False): (128, True, 4),
-    (0, True): (128, False, 4),
-    (1, True): (128, False, 4),
-}
+TILES_WARPS = 4  # _quant_tiles_kernel: 128 x 128 per program
 WEIGHT_WARPS = 8
 
 
@@ -242,16 +235,10 @@ def _quant_tiles_kernel(
     GROUPED: tl.constexpr,
     POW2: tl.constexpr,
     EMULATE: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    TRANS_LOAD: tl.constexpr,
 ):
     """Token tiles of 128 rows within one expert x 128 columns: reads the tile once and writes its
     token-transposed quantization (columns [t*128, +128) of ``qt``) and, if ``ROWS``, its 1x128
     row quantization. Tiles past the last expert write zeros, so ``qt`` is defined everywhere.
-    The tile is taken BLOCK_C columns at a time (a token-wise group is one column's 128 rows, so a
-    chunk holds whole groups; the rows' groups span the chunks, so ROWS first finds their amax over
-    all of them); TRANS_LOAD: each chunk's transpose is loaded again through transposed pointers,
-    else it is tl.trans of the chunk in registers.
     The rows are those of ``parts[0]``, or, GATHER, gathered from the parts (:func:`_row_bases`).
     GROUPED: the tiles are those of a ``TileMap``; else all M rows are one group, tile t is rows
     [t*128, +128), and program (0, 0) writes the group's start and length (0, cdiv(M, 128) * 128)
@@ -269,39 +256,32 @@ def _quant_tiles_kernel(
             tl.store(group_ptr + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, 0, tl.cdiv(M, 128) * 128))
     r = tl.arange(0, 128)
     rows = row0 + r
+    cols = kb * 128 + tl.arange(0, 128)
     rmask = rows < end
-    tok = t * 128 + r
+    cmask = cols < K
+    mask = rmask[:, None] & cmask[None, :]
     base = _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER)
-    if ROWS and BLOCK_C < 128:
-        # the rows' 1x128 groups span every chunk: their amax first (the second pass's loads of
-        # the tile hit L1/L2: HBM sees one read)
-        amax_r = tl.zeros([128], dtype=tl.float32)
-        for c in tl.static_range(0, 128, BLOCK_C):
-            cols = kb * 128 + c + tl.arange(0, BLOCK_C)
-            v = _load_act(base[:, None] + cols[None, :], rmask[:, None] & (cols[None, :] < K), half, PROLOGUE)
-            amax_r = tl.maximum(amax_r, tl.max(tl.abs(v), axis=1))
-    for c in tl.static_range(0, 128, BLOCK_C):
-        cols = kb * 128 + c + tl.arange(0, BLOCK_C)
-        cmask = cols < K
-        v = _load_act(base[:, None] + cols[None, :], rmask[:, None] & cmask[None, :], half, PROLOGUE)
-        s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
-        if TRANS_LOAD:
-            # the chunk loaded again through transposed pointers (from L1/L2)
-            v_t = _load_act(base[None, :] + cols[:, None], rmask[None, :] & cmask[:, None], half, PROLOGUE)
-        else:
-            v_t = tl.trans(v)
-        bits_t = _e4m3_bits(v_t * inv_t[:, None], EMULATE)
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + tok[None, :], bits_t, mask=cmask[:, None])
-        tl.store(st_ptr + t * K + cols, s_t, mask=cmask)
-        if ROWS:
-            if BLOCK_C == 128:
-                amax_r = tl.max(tl.abs(v), axis=1)
-            s_r, inv_r = _scales(amax_r, POW2)
-            bits_r = _e4m3_bits(v * inv_r[:, None], EMULATE)
-            mask = rmask[:, None] & cmask[None, :]
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits_r, mask=mask)
-            if c == 0:
-                tl.store(s_ptr + kb * M + rows, s_r, mask=rmask)
+    v = _load_act(base[:, None] + cols[None, :], mask, half, PROLOGUE)
+
+    s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
+    if PROLOGUE == 0 and not ROWS:
+        # the tile is loaded again through transposed pointers (from L2: HBM sees one read): 80% of
+        # a copy's bandwidth on an H100 against 67% through tl.trans (issue26_quant_bandwidth_h100.json)
+        v_t = _load_act(base[None, :] + cols[:, None], rmask[None, :] & cmask[:, None], half, PROLOGUE)
+    else:
+        # transposed in registers: with SwiGLU to recompute (49% vs 32%) or the rows to write too
+        # (70% vs 67%) a second load does not pay
+        v_t = tl.trans(v)
+    bits_t = _e4m3_bits(v_t * inv_t[:, None], EMULATE)
+    tok = t * 128 + r
+    tl.store(qt_ptr + cols[:, None].to(tl.int64) * stride_qtk + tok[None, :], bits_t, mask=cmask[:, None])
+    tl.store(st_ptr + t * K + cols, s_t, mask=cmask)
+
+    if ROWS:
+        s_r, inv_r = _scales(tl.max(tl.abs(v), axis=1), POW2)
+        bits_r = _e4m3_bits(v * inv_r[:, None], EMULATE)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], bits_r, mask=mask)
+        tl.store(s_ptr + kb * M + rows, s_r, mask=rmask)
 
 
 @triton.jit
@@ -567,13 +547,12 @@ def _launch_tiles(
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=device) if rows else qt
     s = _empty_scale(M, cdiv(K, GROUP), device) if rows else st
     src_part, src_row = src if src is not None else (maps[0], maps[0])  # unused pointers without GATHER
-    block_c, trans_load, warps = TILES_LAUNCH[prologue, rows]
     if K > 0:
         _quant_tiles_kernel[(tiles, cdiv(K, GROUP))](
             parts, src_part, src_row, q.view(torch.uint8), s, qt.view(torch.uint8), st,
             *maps, maps[0], M, K, E, first.stride(0), q.stride(0), qt.stride(0), half,
             PROLOGUE=prologue, ROWS=rows, GATHER=src is not None, GROUPED=offs is not None, POW2=pow2,
-            EMULATE=interpreting(), BLOCK_C=block_c, TRANS_LOAD=trans_load, num_warps=warps,
+            EMULATE=interpreting(), num_warps=TILES_WARPS,
         )  # fmt: skip
     elif offs is None:
         group = torch.tensor([0, cdiv(M, GROUP) * GROUP], dtype=torch.int32, device=device)

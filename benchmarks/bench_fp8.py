@@ -12,7 +12,8 @@ One run does, in this order, saving the JSON after each part:
 3. every GEMM of a Qwen3-30B-A3B layer, FP8 vs bf16 (``torch.mm``, ``torch._grouped_mm``): attention
    projections over 4096 tokens, expert up (2048 -> 2x768) / down (768 -> 2048) projections over
    131072 routed tokens on 128 experts (multinomial routing: unaligned, uneven groups);
-4. quantization and fused kernels' bandwidth, against a measured device-to-device copy;
+4. quantization and fused kernels' bandwidth, against a measured device-to-device copy
+   (swiglu_t: the cached FP8 experts' SwiGLU with its transpose, in one pass or two);
 5. a step's merged expert weight gradients: BF16, FP8 on copied rows, FP8 on gathered rows.
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls).
 """
@@ -27,6 +28,7 @@ import sys
 import time
 import traceback
 import types
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -583,6 +585,73 @@ def bandwidth() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# 4b. SwiGLU's FP8 output with its token-wise transpose: one pass or two
+
+
+def _routed_rows(tokens: int, experts: int, top_k: int) -> torch.Tensor:
+    """One micro-batch's top-k routing: offs [experts] int32, cumulative expert ends of its slots."""
+    chosen = torch.rand(tokens, experts, device=DEV).topk(top_k, dim=1).indices.reshape(-1)
+    return torch.cumsum(torch.bincount(chosen, minlength=experts), 0).to(torch.int32)
+
+
+def swiglu_t_two_pass(h: torch.Tensor, offs: torch.Tensor) -> tuple[fq.Fp8Act, fq.Fp8ActT]:
+    """swiglu_quant(h, offs, with_t=True) in two passes: SwiGLU with its FP8 rows, then the
+    token-wise quantization of the bf16 product (the same bits)."""
+    a, rows = fused.swiglu(h, quantize=True)
+    return rows, fq.quantize_act_t(a, offs)
+
+
+SWIGLU_T_SHAPES = {  # family -> (tokens a micro-batch, experts, top-k, expert width)
+    "qwen3_30b_a3b": (4096, 128, 8, 768),
+    "deepseek_v3_16b": (4096, 64, 6, 1408),
+}
+
+
+@part("swiglu_t")
+def swiglu_t() -> None:
+    """The cached FP8 experts' SwiGLU (expert inputs cached: merge window 1, pp > 1): its FP8 rows
+    and token-wise transpose from one pass (swiglu_quant(with_t=True): the tile kernel recomputing
+    SwiGLU, 32% of a copy at Qwen3's rows on an H100, issue26_tile_launch_2026-12-07_h100.json)
+    against two (swiglu_t_two_pass), each checked bitwise against the reference first."""
+    r = RESULT.setdefault("swiglu_t", {})
+    copy = _copy_tbps()
+    r["copy_tbps_measured"] = copy
+    for family, (tokens, experts, top_k, inter) in SWIGLU_T_SHAPES.items():
+        offs = _routed_rows(tokens, experts, top_k)
+        h = (torch.randn(tokens * top_k, 2 * inter, device=DEV) * 3).bfloat16()
+        want = fq.quantize_act_t_reference(fused.swiglu(h), offs, with_rows=True)
+        rows = h.shape[0]
+        one_pass_bytes = rows * 2 * inter * 2 + rows * inter + (rows // 128 + experts) * 128 * inter
+        row = {"shape": [rows, 2 * inter]}
+        fns = {
+            "one_pass": partial(fused.swiglu_quant, h, offs, with_t=True),
+            "two_pass": partial(swiglu_t_two_pass, h, offs),
+        }
+        for name, fn in fns.items():
+            poison()
+            ok = all(bits_equal(a, b) for a, b in zip(_flat(fn()), _flat(want), strict=True))
+            t = ms(fn)
+            row[name] = {"ms": t, "bits_equal": ok, "one_pass_bytes_of_copy": one_pass_bytes / t / 1e9 / copy}
+        row["two_pass_speedup"] = row["one_pass"]["ms"] / row["two_pass"]["ms"]
+        r[family] = row
+        log(f"swiglu_t {family}: {json.dumps(row)}")
+        save(OUT)
+
+
+def _copy_tbps() -> float:
+    """A device-to-device copy's bandwidth, TB/s (512 MiB, read and written)."""
+    src = torch.randn(1 << 28, device=DEV).bfloat16()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / ms(lambda: dst.copy_(src)) / 1e9
+
+
+def _flat(out) -> list[torch.Tensor]:
+    """The data and scale tensors of an Fp8Act / Fp8ActT or a tuple of them, in order."""
+    pairs = out if isinstance(out, tuple) else (out,)
+    return [t for a in pairs for t in (a.data, a.scale)]
+
+
+# ----------------------------------------------------------------------------------------------
 # 5. a step's merged expert weight gradients
 
 
@@ -696,6 +765,7 @@ PARTS = {
     "dense_8192": dense_8192,
     "qwen3_layer": qwen3_layer,
     "bandwidth": bandwidth,
+    "swiglu_t": swiglu_t,
     "merge": merge,
     "warp_specialized": warp_specialized,
 }

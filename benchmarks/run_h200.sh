@@ -17,6 +17,8 @@
 #                                                # Qwen3 steps at two layer counts) and the FP8 bound
 #   OUT=/tmp/out benchmarks/run_h200.sh variants [SIDES] # Qwen3 steps at two layer counts: BF16, FP8, and FP8
 #                                                # with its dense / expert / all weight gradients in BF16
+#   OUT=/tmp/out benchmarks/run_h200.sh swiglu_t # the cached FP8 experts' SwiGLU with its transpose in one
+#                                                # pass or two, then Qwen3 window-1 steps, BF16 and FP8
 #   OUT=/tmp/out benchmarks/run_h200.sh e2e      # issue 26's end-to-end rows: the 4-layer Qwen3 step at
 #                                                # 8 x 1 and 8 x 2 x 4096, BF16 and FP8 side by side
 #   OUT=/tmp/out benchmarks/run_h200.sh deepgemm DIR [FAMILY]  # DeepGEMM beside fmoe's FP8 GEMMs: build
@@ -133,6 +135,18 @@ variants)  # which FP8 weight gradients pay on the current code: BF16, FP8, and 
     rm -f "$OUT/variants_L$L.json"
     timeout 290 python3 -m benchmarks.train_throughput --layers $L --microbatches 8 --micro-batch ${MB:-1} \
       --steps 3 --warmup 3 --sides ${2:-$SIDES} --out "$OUT/variants_L$L.json" 2>&1 | grep -E "ms/step|Error"
+  done
+  ;;
+swiglu_t)  # the cached FP8 experts' SwiGLU with its transpose, one pass or two (bench_fp8's swiglu_t),
+  # then Qwen3 steps at merge window 1 (what the auto memory policy runs on one node), BF16 and FP8, at
+  # two layer counts (LAYERS as in `layers`)
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  [ "$MEM" -gt 100000 ] && DEFAULT="4 8" || DEFAULT="2 4"
+  timeout 120 python3 benchmarks/bench_fp8.py --parts swiglu_t --out "$OUT/swiglu_t.json" 2>&1 | grep -E "swiglu_t|Error"
+  for L in ${LAYERS:-$DEFAULT}; do
+    rm -f "$OUT/window1_L$L.json"
+    timeout 150 python3 -m benchmarks.train_throughput --layers $L $QWEN --sides fmoe_graphs_window1,fmoe_fp8_graphs_window1 \
+      --out "$OUT/window1_L$L.json" 2>&1 | grep -E "ms/step|Error"
   done
   ;;
 e2e)  # 8 x 2 x 4096 fits an H100 now (FP8 peak 70.6 GB, BF16 73.9: issue26_session_2026-12-07_h100.json)

@@ -215,6 +215,8 @@ FMOE_VARIANTS = {
     # FP8 input caching (memory.fp8_cache, on by default): off, and with experts too (window 1)
     "fmoe_fp8_nocache": {"fp8": True, "memory": MemoryPolicy(fp8_cache=False)},
     "fmoe_fp8_window1": {"fp8": True, "memory": MemoryPolicy(merge_window=1)},
+    # ... under CUDA graphs: what Qwen3-30B-A3B's auto memory policy runs on one 8-GPU node, in FP8
+    "fmoe_fp8_graphs_window1": {"fp8": True, "cuda_graphs": True, "memory": MemoryPolicy(merge_window=1)},
 }
 
 

@@ -518,12 +518,17 @@ def qwen3_layer() -> None:
 # 4. bandwidth
 
 
+def _copy_tbps() -> float:
+    """A device-to-device copy's bandwidth, TB/s (512 MiB, read and written)."""
+    src = torch.randn(1 << 28, device=DEV).bfloat16()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / ms(lambda: dst.copy_(src)) / 1e9
+
+
 @part("bandwidth")
 def bandwidth() -> None:
     r = RESULT.setdefault("bandwidth", {})
-    src = torch.randn(1 << 28, device=DEV).bfloat16()  # 512 MiB
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() * 2 / ms(lambda: dst.copy_(src)) / 1e9
+    copy = _copy_tbps()
     r["copy_tbps_measured"] = copy
     T, H, E = 131072, 2048, 128
     x = torch.randn(T, H, device=DEV).bfloat16()
@@ -588,12 +593,6 @@ def bandwidth() -> None:
 # 4b. SwiGLU's FP8 output with its token-wise transpose: one pass or two
 
 
-def _routed_rows(tokens: int, experts: int, top_k: int) -> torch.Tensor:
-    """One micro-batch's top-k routing: offs [experts] int32, cumulative expert ends of its slots."""
-    chosen = torch.rand(tokens, experts, device=DEV).topk(top_k, dim=1).indices.reshape(-1)
-    return torch.cumsum(torch.bincount(chosen, minlength=experts), 0).to(torch.int32)
-
-
 def swiglu_t_two_pass(h: torch.Tensor, offs: torch.Tensor) -> tuple[fq.Fp8Act, fq.Fp8ActT]:
     """swiglu_quant(h, offs, with_t=True) in two passes: SwiGLU with its FP8 rows, then the
     token-wise quantization of the bf16 product (the same bits)."""
@@ -617,7 +616,7 @@ def swiglu_t() -> None:
     copy = _copy_tbps()
     r["copy_tbps_measured"] = copy
     for family, (tokens, experts, top_k, inter) in SWIGLU_T_SHAPES.items():
-        offs = _routed_rows(tokens, experts, top_k)
+        offs = routed_offs(tokens * top_k, experts)
         h = (torch.randn(tokens * top_k, 2 * inter, device=DEV) * 3).bfloat16()
         want = fq.quantize_act_t_reference(fused.swiglu(h), offs, with_rows=True)
         rows = h.shape[0]
@@ -636,13 +635,6 @@ def swiglu_t() -> None:
         r[family] = row
         log(f"swiglu_t {family}: {json.dumps(row)}")
         save(OUT)
-
-
-def _copy_tbps() -> float:
-    """A device-to-device copy's bandwidth, TB/s (512 MiB, read and written)."""
-    src = torch.randn(1 << 28, device=DEV).bfloat16()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / ms(lambda: dst.copy_(src)) / 1e9
 
 
 def _flat(out) -> list[torch.Tensor]:

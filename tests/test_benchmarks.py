@@ -159,7 +159,7 @@ def test_the_gluon_benchmark_names_an_unknown_variant_and_exits_2(capsys):
     assert e.value.code == 2 and "unknown ['nope']" in capsys.readouterr().err
 
 
-def test_the_two_pass_swiglu_with_its_transpose_writes_the_bits_of_the_one_pass(monkeypatch):
+def test_the_two_pass_swiglu_with_its_transpose_writes_the_bits_of_the_one_pass():
     # bench_fp8's swiglu_t part times swiglu_quant(with_t=True) against two passes; the two must
     # give the same bits (rows and token-wise transpose, over ragged experts, one of them empty)
     import torch
@@ -167,14 +167,12 @@ def test_the_two_pass_swiglu_with_its_transpose_writes_the_bits_of_the_one_pass(
     from benchmarks import bench_fp8
     from fmoe.kernels import fused
 
-    monkeypatch.setattr(bench_fp8, "DEV", "cpu")
     h = (torch.randn(300, 2 * 256, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
     offs = torch.tensor([100, 100, 300], dtype=torch.int32)
     one, two = fused.swiglu_quant(h, offs, with_t=True), bench_fp8.swiglu_t_two_pass(h, offs)
     flat_one, flat_two = bench_fp8._flat(one), bench_fp8._flat(two)
     assert len(flat_one) == len(flat_two) == 4
     assert all(bench_fp8.bits_equal(a, b) for a, b in zip(flat_one, flat_two, strict=True))
-    assert bench_fp8._routed_rows(64, 8, 2)[-1] == 128
 
 
 def test_deepgemm_benchmark_lays_fmoes_fp8_operands_out_as_deepgemm_reads_them():

@@ -45,7 +45,8 @@ tensor that crosses F, B and W, in ``fmoe.runner``, ``fmoe.interpreter`` and the
    optimizer overwrites its gradients (buffer donation).
 3. ``into`` (W's accumulator, owned by the caller by rule 2): W adds dense GEMMs into its tensors in
    place (a GEMM with beta = 1, or a product and an add when the accumulator shares memory with the
-   GEMM's operands), and the GEMM of a parameter view into the view's slice.
+   GEMM's operands), an embedding's rows into the rows looked up, and the GEMM of a parameter view
+   into the view's slice.
 
 B enforces rule 2: a partial gradient whose storage is that of a grad_output or loss seed, a
 grad_input, the output gradient of a taped GEMM or an earlier partial, or that overlaps itself, is
@@ -74,8 +75,9 @@ from torch import Tensor
 
 from fmoe.offload import offloaded
 from fmoe.stages.primitives import (
-    DenseWeightGrad,
+    ACCUMULATES_IN_PLACE,
     GroupedWeightGrad,
+    WeightGrad,
     WeightGradTape,
     defer_weight_grads,
     non_overlapping,
@@ -349,8 +351,8 @@ def backward_weight(
     ``merge_later[name]``, for the caller to merge over microbatches
     (``fmoe.stages.primitives.merge_grouped_weight_grads``); their names are then absent here.
     into: the caller's own gradient accumulator ({name: tensor it may modify}); a dense weight GEMM
-    whose parameter already has an entry there is added to it in place, inside the GEMM, and is
-    then absent from the result. The caller adds the rest (``fmoe.runner.accumulate``).
+    or an embedding whose parameter already has an entry there is added to it in place (inside the
+    GEMM; the embedding's rows looked up alone), and is then absent from the result. The caller adds the rest (``fmoe.runner.accumulate``).
     """
     stage = work.stage
     if stage.custom is not None:
@@ -375,7 +377,7 @@ def backward_weight(
         if merge_later is not None and isinstance(compute, GroupedWeightGrad):
             merge_later.setdefault(name, []).append(compute)
             continue
-        if into is not None and name in into and isinstance(compute, DenseWeightGrad):
+        if into is not None and name in into and isinstance(compute, ACCUMULATES_IN_PLACE):
             with torch.no_grad():
                 compute.accumulate_into(into[name])
             continue
@@ -392,7 +394,7 @@ def _add_to_slice(
     name: str,
     base: Tensor,
     view: Tensor,
-    compute: DenseWeightGrad | GroupedWeightGrad,
+    compute: WeightGrad,
 ) -> None:
     """Add a deferred GEMM's gradient of ``view`` (a view of the parameter leaf ``base``) into the
     matching slice of the parameter's gradient: ``into[name]`` if the caller has one, else
@@ -406,7 +408,7 @@ def _add_to_slice(
     if total.shape == base.shape and total.stride() == base.stride():
         offset = total.storage_offset() + view.storage_offset() - base.storage_offset()
         region = total.as_strided(view.shape, view.stride(), offset)
-        if isinstance(compute, DenseWeightGrad):
+        if isinstance(compute, ACCUMULATES_IN_PLACE):
             compute.accumulate_into(region)
         else:
             region.add_(compute())

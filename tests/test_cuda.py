@@ -610,6 +610,37 @@ def test_graphed_step_replays_bitwise_copies_new_inputs_and_keeps_in_place_state
     assert graphed.replays == 4  # calls 3..6: captured once, then replayed
 
 
+@pytest.mark.parametrize(
+    "lookups", [1000, 8192]
+)  # CUDA's embedding backward: a direct kernel up to 3072, sorted past it
+def test_an_embedding_gradient_added_in_place_has_the_bits_of_the_whole_gradients_add_and_captures(lookups):
+    from fmoe.cuda_graphs import GraphedStep
+    from fmoe.stages.primitives import EmbeddingWeightGrad
+
+    vocab, hidden = 151936, 256
+    rows = torch.randint(0, 300, (lookups,), generator=_gen(60), device="cuda")  # many repeats
+    rows[::7] = torch.randint(0, vocab, (len(rows[::7]),), generator=_gen(61), device="cuda")
+    dy = _randn(lookups, hidden, seed=62, dtype=torch.bfloat16)
+    grad = EmbeddingWeightGrad(rows, dy, vocab)
+    total = _randn(vocab, hidden, seed=63, dtype=torch.bfloat16)
+    want = total.clone().add_(grad())
+    got = total.clone()
+    grad.accumulate_into(got)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+    def fn(acc, dy):  # W's accumulation in a captured step: no host sync, the same bits
+        EmbeddingWeightGrad(rows, dy, vocab).accumulate_into(acc["w"])
+        return acc
+
+    eager, graphed_acc, graphed = {"w": total.clone()}, {"w": total.clone()}, GraphedStep(fn, warmup=1)
+    for step in range(3):
+        dy_step = _randn(lookups, hidden, seed=70 + step, dtype=torch.bfloat16)
+        fn(eager, dy_step)
+        graphed(graphed_acc, dy_step)
+        assert torch.equal(graphed_acc["w"].view(torch.int16), eager["w"].view(torch.int16)), step
+    assert graphed.replays == 2
+
+
 def test_graphed_step_names_a_host_sync_it_cannot_capture():
     from fmoe.cuda_graphs import CaptureError, GraphedStep
 

@@ -1,7 +1,9 @@
-"""``linear`` and ``grouped_linear`` against references that share none of their backward code.
+"""``linear``, ``grouped_linear`` and ``embedding`` against references that share none of their backward
+code.
 
 The references are plain ``torch.matmul`` and a per-expert loop of matmuls differentiated by torch's
-own autograd, and finite differences (``torch.autograd.gradcheck``), all in float64. Each primitive
+own autograd (for ``embedding``, a one-hot matmul), and finite differences
+(``torch.autograd.gradcheck``), all in float64. Each primitive
 is checked both under plain autograd (its backward returns the weight gradient) and with W deferred
 through ``fmoe.stage`` (its backward tapes the weight GEMM and ``backward_weight`` runs it), which
 are different code paths for the weight gradient; so is the merge of several microbatches' expert
@@ -15,7 +17,13 @@ import torch
 from conftest import relative_error
 
 from fmoe import stage as S
-from fmoe.stages.primitives import grouped_linear, linear, merge_grouped_weight_grads
+from fmoe.stages.primitives import (
+    EmbeddingWeightGrad,
+    embedding,
+    grouped_linear,
+    linear,
+    merge_grouped_weight_grads,
+)
 from fmoe.stages.spec import Stage, StageContext
 
 # float64 (eps 2^-53 = 1.1e-16) GEMMs whose every element sums at most ~20 products, computed in
@@ -84,6 +92,64 @@ def test_linear_with_w_deferred_through_fmoe_stage_equals_plain_autograd():
 def test_linear_passes_gradcheck_in_float64():
     x, w = randn(5, 4, seed=6).requires_grad_(), randn(3, 4, seed=7).requires_grad_()
     assert torch.autograd.gradcheck(linear, (x, w), eps=1e-6, atol=1e-9, rtol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding: rows 3 and 7 looked up several times, rows 2, 4, 5, 6 and 8 never
+
+TOKENS = torch.tensor([[3, 0, 3, 7], [7, 3, 1, 3]])
+
+
+def one_hot_lookup(tokens: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The lookup as a GEMM: one_hot(tokens) @ w, so autograd's gradient is one_hot^T @ dy."""
+    return torch.nn.functional.one_hot(tokens, w.shape[0]).to(w.dtype) @ w
+
+
+def test_embedding_forward_is_the_lookup_and_its_gradient_equals_a_one_hot_matmuls():
+    w, dy = randn(9, 5, seed=40), randn(2, 4, 5, seed=41)
+    assert torch.equal(embedding(TOKENS, w), w[TOKENS])
+    (want,) = autograd_grads(lambda b: one_hot_lookup(TOKENS, b), (w,), dy)
+    (got,) = autograd_grads(lambda b: embedding(TOKENS, b), (w,), dy)
+    assert_close_rel(got, want, "dw")
+
+
+def test_embedding_with_w_deferred_through_fmoe_stage_equals_a_one_hot_matmul():
+    w, dy = randn(9, 5, seed=42), randn(2, 4, 5, seed=43)
+    (want,) = autograd_grads(lambda b: one_hot_lookup(TOKENS, b), (w,), dy)
+    y, dx, dw = deferred_grads(embedding, TOKENS.to(torch.int32), w, dy)
+    assert torch.equal(y, w[TOKENS]) and dx is None  # integer tokens: no input gradient
+    assert_close_rel(dw, want, "dw")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_an_embedding_gradient_added_in_place_has_the_bits_of_adding_the_whole_gradient(dtype, index_dtype):
+    # 300 lookups of 4 of 11 rows: each row's sum of ~75 terms rounds differently if its terms are
+    # added to the accumulator one at a time (a plain index_put_(accumulate=True) on bf16 does)
+    gen = torch.Generator().manual_seed(44)
+    rows = torch.tensor([9, 2, 5, 2], dtype=index_dtype)[torch.randint(0, 4, (300,), generator=gen)]
+    dy = torch.randn(300, 6, generator=gen).to(dtype)
+    grad = EmbeddingWeightGrad(rows, dy, 11)
+    total = torch.randn(11, 6, generator=gen).to(dtype)
+    looked_up, untouched = [2, 5, 9], [r for r in range(11) if r not in (2, 5, 9)]
+    total[untouched[::2]] = -0.0  # an add of +0.0 would make these +0.0: only looked-up rows are written
+    want = total.clone().add_(grad())
+    got = total.clone()
+    grad.accumulate_into(got)
+    assert torch.equal(_bits(got[looked_up]), _bits(want[looked_up]))
+    assert torch.equal(_bits(got[untouched]), _bits(total[untouched]))
+    # a view laid out like the parameter inside a wider buffer (a parameter view's slice)
+    wide = torch.randn(11, 9, generator=gen).to(dtype)
+    region = wide[:, 2:8]
+    region.copy_(total)
+    grad.accumulate_into(region)
+    assert torch.equal(_bits(region), _bits(got))
+    EmbeddingWeightGrad(rows[:0], dy[:0], 11).accumulate_into(got)  # no lookups: nothing changes
+    assert torch.equal(_bits(region), _bits(got))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from conftest import assert_runner_matches_autograd, random_batch, tiny_config
 from fmoe import runner
 from fmoe import stage as S
 from fmoe.stages import qwen3_moe
-from fmoe.stages.primitives import DenseWeightGrad, linear
+from fmoe.stages.primitives import ACCUMULATES_IN_PLACE, linear
 from fmoe.stages.spec import CustomGrad, Stage, StageContext
 
 
@@ -103,8 +103,9 @@ def test_deferred_w_in_any_order_gives_the_plain_gradients():
 
 
 def test_w_accumulates_dense_weight_gemms_in_place_into_the_callers_gradients():
-    # W of the second microbatch adds its dense weight GEMMs into the accumulator the first one
-    # made (addmm_, beta = 1): same tensors, same values as a separate GEMM and add
+    # W of the second microbatch adds its dense weight GEMMs (addmm_, beta = 1) and its embedding
+    # (the rows looked up) into the accumulator the first one made: same tensors, same values as
+    # a separate gradient and add
     cfg = tiny_config()
     model = qwen3_moe.build(cfg)
     params = model.init(seed=6)
@@ -131,16 +132,19 @@ def test_w_accumulates_dense_weight_gemms_in_place_into_the_callers_gradients():
         n
         for w in works[1]
         for weight, c in w.tape.entries
-        if isinstance(c, DenseWeightGrad)
+        if isinstance(c, ACCUMULATES_IN_PLACE)
         for n in [w.names[id(weight)]]
     }
     assert "lm_head.weight" in taped and any(n.endswith("q_proj.weight") for n in taped)
+    assert "model.embed_tokens.weight" in taped
     runner.weight_grads(works[1], into=acc)
     assert set(acc) == set(want)
     for n in taped:
         assert acc[n] is first[n], n  # added in place, no new tensor
     for n in want:
         torch.testing.assert_close(acc[n], want[n], rtol=1e-12, atol=1e-12)
+    # the embedding's rows: summed as its whole gradient sums them, then added once
+    assert torch.equal(acc["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
 
 
 def test_hand_written_b_and_w_agree_with_the_derived_ones():

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fmoe.stages import decoder_stages as stage_fns
@@ -33,6 +32,7 @@ from fmoe.stages import moe as moe_blocks
 from fmoe.stages.decoder_stages import EMBED, DecoderDims
 from fmoe.stages.family import Family, ModelSizes
 from fmoe.stages.hf_mapping import HFMapping, HubExperts, hub_experts, layer_prefix
+from fmoe.stages.primitives import embedding
 from fmoe.stages.spec import Model, Params, Stage, StageContext, Statistic
 
 __all__ = [
@@ -141,7 +141,7 @@ def rms_norm_shapes(name: str, hidden: int) -> Shapes:
 
 def token_embedding(cfg: Any, p: Params, tokens: Tensor) -> Tensor:
     """``MoEDecoder.embed`` default: tokens [b,s] int64 -> h [b,s,H] from ``model.embed_tokens.weight``."""
-    return F.embedding(tokens, p[EMBED])
+    return embedding(tokens, p[EMBED])
 
 
 def _no_params(cfg: Any) -> Shapes:

@@ -1,10 +1,13 @@
 """Weight-consuming primitives whose weight gradient can be deferred.
 
-A stage author writes ``linear(x, w)`` and ``grouped_linear(x, w, offs)`` instead of ``x @ w.T``. Under
-plain autograd they behave exactly like the matmul. When fmoe's stage machinery runs a stage's input
+A stage author writes ``linear(x, w)`` and ``grouped_linear(x, w, offs)`` instead of ``x @ w.T``, and
+``embedding(tokens, w)`` instead of ``F.embedding``. Under plain autograd they behave exactly like the
+matmul (the lookup). When fmoe's stage machinery runs a stage's input
 forward (F) inside :func:`defer_weight_grads`, their backward (B) computes only the input gradient
 and records the ``(x, dy)`` pair of the weight GEMM on that call's tape; the weight-gradient step (W) later runs
-those GEMMs. B + W thus do the work of one ordinary backward, no more.
+those GEMMs. B + W thus do the work of one ordinary backward, no more. An embedding's entry is its
+``(rows, dy)`` pair: W adds dy's rows into the rows of the gradient that a micro-batch looked up, not a
+[vocab, hidden] gradient each micro-batch.
 
 The tape is scoped: each F call makes its own, the primitives bind to it when they run forward (so
 the backward finds it on whatever thread autograd runs it), and B hands it to W as a value.
@@ -37,10 +40,14 @@ if TYPE_CHECKING:
     from fmoe.kernels.fp8_quant import Fp8ActT
 
 __all__ = [
+    "ACCUMULATES_IN_PLACE",
     "DenseWeightGrad",
+    "EmbeddingWeightGrad",
     "GroupedWeightGrad",
+    "WeightGrad",
     "WeightGradTape",
     "defer_weight_grads",
+    "embedding",
     "grouped_linear",
     "grouped_mm",
     "grouped_mm_weight_grad",
@@ -68,7 +75,7 @@ class WeightGradTape:
     machinery fills it in F, while the leaves are alive. Empty: nothing is deferred.
     """
 
-    entries: list[tuple[Tensor, DenseWeightGrad | GroupedWeightGrad]] = field(default_factory=list)
+    entries: list[tuple[Tensor, WeightGrad]] = field(default_factory=list)
     param_ids: frozenset[int] = frozenset()
 
     def defers(self, weight: Tensor) -> bool:
@@ -84,7 +91,7 @@ class WeightGradTape:
             and non_overlapping(weight)
         )
 
-    def record(self, weight: Tensor, compute: DenseWeightGrad | GroupedWeightGrad) -> None:
+    def record(self, weight: Tensor, compute: WeightGrad) -> None:
         self.entries.append((weight, compute))
 
 
@@ -273,6 +280,51 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+@dataclass(frozen=True)
+class EmbeddingWeightGrad:
+    """A deferred embedding gradient, ``dW[rows[i]] += dy[i]``, kept as data so that W can add it to
+    a gradient accumulated over microbatches in place, touching only the rows a microbatch looked up.
+    rows [n] int (token ids, repeats allowed), dy [n, hidden] -> dW [num_rows, hidden], dy's dtype."""
+
+    rows: Tensor
+    dy: Tensor
+    num_rows: int
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.dy.dtype
+
+    def __call__(self) -> Tensor:
+        """The whole [num_rows, hidden] gradient, as autograd gives ``F.embedding``'s weight."""
+        return torch.ops.aten.embedding_dense_backward(self.dy, self.rows, self.num_rows, -1, False)
+
+    def accumulate_into(self, total: Tensor) -> None:
+        """total += self() in place, with the bits of that add, reading and writing only the rows
+        looked up. total: [num_rows, hidden] (or a view laid out so) of dy's dtype.
+
+        Each distinct row's sum is formed first as ``self()`` forms it (the same summation over the
+        same repeats in the same order: rows are relabelled 0..distinct-1 in sorted order, which
+        keeps the order the sum follows), then added to ``total`` once. No host sync (CUDA graphs):
+        the n-row buffer's slots past the distinct rows hold zeros and point at row ``rows.min()``,
+        so their adds change nothing."""
+        n = self.rows.numel()
+        if n == 0:
+            return
+        ordered, perm = torch.sort(self.rows.reshape(-1).to(torch.int64), stable=True)
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        slot = torch.empty_like(ordered).scatter_(0, perm, first.cumsum(0) - 1)  # each lookup's slot
+        sums = torch.ops.aten.embedding_dense_backward(self.dy, slot, n, -1, False)  # [n, hidden]
+        target = ordered[:1].expand(n).clone().scatter_(0, slot, self.rows.reshape(-1).to(torch.int64))
+        # accumulate=True: the slots aimed at one row (one of sums, zeros beside it) are summed, then
+        # added once (deterministic, sort-based on CUDA)
+        total.index_put_((target,), sums, accumulate=True)
+
+
+WeightGrad = DenseWeightGrad | GroupedWeightGrad | EmbeddingWeightGrad  # what a tape entry computes
+ACCUMULATES_IN_PLACE = (DenseWeightGrad, EmbeddingWeightGrad)  # entries W adds into its accumulator
+
+
 @torch.no_grad()
 def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     """``sum(part() for part in parts)`` as one grouped GEMM over the rows of every part, regrouped
@@ -350,6 +402,30 @@ def _fp8_weight_grad_gathered(
     dy_t = quantize_act_t_gathered([p.dy.contiguous() for p in parts], src_part, dy_src_row, offs)
     first = parts[0]
     return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.grad_dtype)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(tokens: Tensor, w: Tensor) -> Tensor:
+        return torch.nn.functional.embedding(tokens, w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        tokens, w = inputs
+        ctx.save_for_backward(tokens)
+        ctx.weight, ctx.num_rows = w, w.shape[0]
+        ctx.tape = _tape_for(w)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (tokens,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        grad = EmbeddingWeightGrad(tokens.reshape(-1), dy.reshape(-1, dy.shape[-1]), ctx.num_rows)
+        if ctx.tape is not None:
+            ctx.tape.record(ctx.weight, grad)
+            return None, None
+        return None, grad()
 
 
 class _Linear(torch.autograd.Function):
@@ -498,6 +574,14 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             ctx.tape.record(ctx.weight, compute)
             return dx, None, None, None, None, None
         return dx, compute(), None, None, None, None
+
+
+def embedding(tokens: Tensor, w: Tensor) -> Tensor:
+    """``F.embedding(tokens, w)`` with a deferrable weight gradient. tokens: [...] int64 / int32,
+    w: [vocab, hidden] -> [..., hidden]. Deferred, W adds a microbatch's gradient into the step's
+    accumulator in place (``EmbeddingWeightGrad.accumulate_into``), where autograd would write a
+    [vocab, hidden] gradient each microbatch, to be added."""
+    return _Embedding.apply(tokens, w)
 
 
 def linear(x: Tensor, w: Tensor, fp8: bool = True, cache: bool = True) -> Tensor:

@@ -299,8 +299,9 @@ class EmbeddingWeightGrad:
         return torch.ops.aten.embedding_dense_backward(self.dy, self.rows, self.num_rows, -1, False)
 
     def accumulate_into(self, total: Tensor) -> None:
-        """total += self() in place, with the bits of that add, reading and writing only the rows
-        looked up. total: [num_rows, hidden] (or a view laid out so) of dy's dtype.
+        """total += self() in place, reading and writing only the rows looked up: each of those gets
+        the bits of that add; the others are left as they are (where the add of self()'s zeros would
+        turn a -0.0 into +0.0). total: [num_rows, hidden] (or a view laid out so) of dy's dtype.
 
         Each distinct row's sum is formed first as ``self()`` forms it (the same summation over the
         same repeats in the same order: rows are relabelled 0..distinct-1 in sorted order, which

@@ -271,6 +271,42 @@ def profile_step(step, tokens, labels, steps: int = 2, top_kernels: int = 40) ->
     return {"wall_ms_per_step": wall_us / 1e3 / steps, "share": shares, "top_kernels": top}
 
 
+def op_profile_step(step, tokens, labels, top: int = 25) -> dict:
+    """The torch ops (by name and input shapes) whose own kernels take the most device time in one
+    step (CPU: host time), from torch.profiler with record_shapes: where a graphed side's kernels
+    cannot name the op that launched them, an eager side's step can (e.g. the embedding's
+    [vocab, hidden] gradient filled and added each micro-batch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = tokens.is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities, record_shapes=True) as prof:
+        step(tokens, labels)
+        if cuda:
+            torch.cuda.synchronize()
+    rows = [
+        (
+            ev.key,
+            str(ev.input_shapes),
+            ev.count,
+            ev.self_device_time_total if cuda else ev.self_cpu_time_total,
+        )
+        for ev in prof.key_averages(group_by_input_shape=True)
+        if ev.key.startswith("aten::")
+    ]
+    rows.sort(key=lambda r: -r[3])
+    return {
+        "time": "device" if cuda else "host",
+        "top_ops": [
+            {"op": op, "input_shapes": shapes[:200], "calls": n, "ms": us / 1e3}
+            for op, shapes, n, us in rows[:top]
+            if us > 0
+        ],
+    }
+
+
 def host_profile_step(step, tokens, labels, top: int = 30) -> dict:
     """Where the host's time goes in one step (cProfile): the functions with the most own time.
     A step whose GPU idles is bound by these."""
@@ -405,6 +441,12 @@ def main(argv=None) -> dict:
         "--top-kernels", type=int, default=40, help="with --profile: how many of the longest kernels to list"
     )
     ap.add_argument(
+        "--op-profile",
+        action="store_true",
+        help="one step of each side: the torch ops, with their input shapes, that take the most time "
+        "(name eager sides: a graphed step's ops are not seen)",
+    )
+    ap.add_argument(
         "--host-profile",
         action="store_true",
         help="cProfile one step of each side: the host functions that take the most time",
@@ -517,6 +559,8 @@ def main(argv=None) -> dict:
             print(f"{side}: {ms:.1f} ms/step, {tflops:.1f} model TFLOP/s", file=sys.stderr, flush=True)
             if args.profile and args.device == "cuda":
                 results[side]["profile"] = profile_step(step, tokens, labels, top_kernels=args.top_kernels)
+            if args.op_profile:
+                results[side]["op_profile"] = op_profile_step(step, tokens, labels)
             if args.host_profile:
                 results[side]["host_profile"] = host_profile_step(step, tokens, labels)
             if args.device == "cuda":

@@ -352,7 +352,8 @@ def backward_weight(
     (``fmoe.stages.primitives.merge_grouped_weight_grads``); their names are then absent here.
     into: the caller's own gradient accumulator ({name: tensor it may modify}); a dense weight GEMM
     or an embedding whose parameter already has an entry there is added to it in place (inside the
-    GEMM; the embedding's rows looked up alone), and is then absent from the result. The caller adds the rest (``fmoe.runner.accumulate``).
+    GEMM; the embedding's rows looked up alone), and is then absent from the result. The caller
+    adds the rest (``fmoe.runner.accumulate``).
     """
     stage = work.stage
     if stage.custom is not None:

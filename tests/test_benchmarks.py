@@ -32,6 +32,18 @@ def test_throughput_benchmark_runs_on_cpu_for_fmoe_and_the_eager_baseline(tmp_pa
     assert result["results"]["fmoe_over_eager"] > 0
 
 
+def test_throughput_benchmark_op_profile_names_the_ops_with_their_shapes_longest_first():
+    result = train_throughput.main(
+        ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--sides", "fmoe", "--op-profile"]
+    )
+    prof = result["results"]["fmoe"]["op_profile"]
+    ops = prof["top_ops"]
+    assert prof["time"] == "host" and 0 < len(ops) <= 25
+    assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
+    assert all(o["op"].startswith("aten::") and o["calls"] >= 1 for o in ops)
+    assert any(o["input_shapes"].startswith("[[") for o in ops)  # shapes recorded, not blank
+
+
 def test_throughput_benchmark_takes_another_familys_recipe(tmp_path):
     """--recipe: the fmoe sides on a recipe's model cut to --layers (DeepSeek-V3 here), its FLOPs from
     its family; the eager side, a Qwen3 module, is refused beside it."""

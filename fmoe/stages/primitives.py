@@ -308,15 +308,16 @@ class EmbeddingWeightGrad:
         keeps the order the sum follows), then added to ``total`` once. No host sync (CUDA graphs):
         the n-row buffer's slots past the distinct rows hold zeros and point at row ``rows.min()``,
         so their adds change nothing."""
-        n = self.rows.numel()
+        rows = self.rows.reshape(-1).to(torch.int64)
+        n = rows.numel()
         if n == 0:
             return
-        ordered, perm = torch.sort(self.rows.reshape(-1).to(torch.int64), stable=True)
+        ordered, perm = torch.sort(rows, stable=True)
         first = torch.ones_like(ordered, dtype=torch.bool)
         first[1:] = ordered[1:] != ordered[:-1]
         slot = torch.empty_like(ordered).scatter_(0, perm, first.cumsum(0) - 1)  # each lookup's slot
         sums = torch.ops.aten.embedding_dense_backward(self.dy, slot, n, -1, False)  # [n, hidden]
-        target = ordered[:1].expand(n).clone().scatter_(0, slot, self.rows.reshape(-1).to(torch.int64))
+        target = ordered[:1].expand(n).clone().scatter_(0, slot, rows)  # each slot's row
         # accumulate=True: the slots aimed at one row (one of sums, zeros beside it) are summed, then
         # added once (deterministic, sort-based on CUDA)
         total.index_put_((target,), sums, accumulate=True)

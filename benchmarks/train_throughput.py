@@ -446,6 +446,7 @@ def main(argv=None) -> dict:
         help="one step of each side: the torch ops, with their input shapes, that take the most time "
         "(name eager sides: a graphed step's ops are not seen)",
     )
+    ap.add_argument("--op-profile-top", type=int, default=25, help="with --op-profile: how many ops to list")
     ap.add_argument(
         "--host-profile",
         action="store_true",
@@ -560,7 +561,7 @@ def main(argv=None) -> dict:
             if args.profile and args.device == "cuda":
                 results[side]["profile"] = profile_step(step, tokens, labels, top_kernels=args.top_kernels)
             if args.op_profile:
-                results[side]["op_profile"] = op_profile_step(step, tokens, labels)
+                results[side]["op_profile"] = op_profile_step(step, tokens, labels, top=args.op_profile_top)
             if args.host_profile:
                 results[side]["host_profile"] = host_profile_step(step, tokens, labels)
             if args.device == "cuda":

@@ -239,16 +239,20 @@ def stage_kept_bytes(
     return carry, saved
 
 
-def expert_weight_grad_bytes(family: str, cfg, mb: MicroBatch, copies_rows: bool = True) -> float:
+def expert_weight_grad_bytes(
+    family: str, cfg, mb: MicroBatch, copies_rows: bool = True, fp8_grads: bool = False
+) -> float:
     """What a pp = 1 step keeps per micro-batch and MoE layer for the expert weight GEMMs it merges
     over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
     gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H]); gate/up's input is the [T, H]
     tokens instead where the experts read them where they lie (``copies_rows`` False: the fused
-    FP8 experts of the local dispatch, ``plan_fp8.experts_read_tokens``)."""
+    FP8 experts of the local dispatch, ``plan_fp8.experts_read_tokens``); ``fp8_grads``: the output
+    gradients are kept as their FP8 rows (a byte an element and a float32 scale per 128)."""
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
     k, h = cfg.num_experts_per_tok, cfg.hidden_size
     x_rows = k if copies_rows else 1
-    return mb.tokens * mb.compute_bytes * (x_rows * h + k * (h + 3 * inter))
+    grad_bytes = 1 + 4 / 128 if fp8_grads else mb.compute_bytes
+    return mb.tokens * (mb.compute_bytes * (x_rows * h + k * inter) + grad_bytes * k * (h + 2 * inter))
 
 
 def moe_stages(model: Model) -> set[int]:
@@ -348,6 +352,13 @@ def local_step_peaks(
     return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
 
 
+def _w_fp8_grads(family: str, cfg, fp8: Fp8Caching | None) -> bool:
+    """Whether the expert weight GEMMs keep their output gradients' FP8 rows: FP8 on with its expert
+    weight gradients, the expert GEMMs in FP8 (their dims multiples of 128)."""
+    inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
+    return fp8 is not None and fp8.expert_grads and cfg.hidden_size % 128 == 0 and inter % 128 == 0
+
+
 def _w_reads_tokens(
     family: str, cfg, mb: MicroBatch, policy: MemoryPolicy, ep: int, fp8: Fp8Caching | None
 ) -> bool:
@@ -391,7 +402,13 @@ def rank_activation_peaks(
         backward_transient_bytes(family, cfg, model, every, mb) + extra,
         moe_layers
         * int(
-            expert_weight_grad_bytes(family, cfg, mb, not _w_reads_tokens(family, cfg, mb, policy, ep, fp8))
+            expert_weight_grad_bytes(
+                family,
+                cfg,
+                mb,
+                not _w_reads_tokens(family, cfg, mb, policy, ep, fp8),
+                _w_fp8_grads(family, cfg, fp8),
+            )
         ),
         sum(b for n, b in grad_bytes.items() if n not in model.expert_params),
         sum(grad_bytes.values()),

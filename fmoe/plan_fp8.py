@@ -33,11 +33,14 @@ class Fp8Caching:
     """Which FP8 linears of a step keep their inputs in FP8 (``fp8_training``'s cache_inputs /
     cache_expert_inputs, as ``parallel_step`` opens it): ``dense`` (``linear``), ``experts``
     (``grouped_linear``); ``local_experts``: a rank's experts (the cached form pads each one). Its
-    presence says the step runs FP8 (both False: FP8 with nothing cached)."""
+    presence says the step runs FP8 (both False: FP8 with nothing cached). ``expert_grads``: the
+    expert weight gradients run in FP8 (``train.fp8_expert_wgrad``), so W keeps the FP8 rows of the
+    experts' output gradients, not the gradients themselves (``primitives.GroupedWeightGrad``)."""
 
     dense: bool
     experts: bool
     local_experts: int
+    expert_grads: bool = True
 
     @staticmethod
     def of(
@@ -58,10 +61,10 @@ class Fp8Caching:
         if not fp8:
             return None
         if not policy.fp8_cache:
-            return Fp8Caching(False, False, local_experts)
+            return Fp8Caching(False, False, local_experts, fp8_expert_wgrad)
         dense = fp8_dense and fp8_dense_wgrad
         experts = fp8_expert_wgrad and policy.fp8_cache_experts(pp, microbatches)
-        return Fp8Caching(dense, experts, local_experts)
+        return Fp8Caching(dense, experts, local_experts, fp8_expert_wgrad)
 
 
 class Fp8Input(NamedTuple):

@@ -134,6 +134,34 @@ def test_merged_fp8_wgrad_gathers_its_rows_bitwise_as_the_copied_rows(monkeypatc
     assert _bits_equal(gathered, copied)
 
 
+def test_requantized_fp8_rows_compiled_equal_reference_bitwise():
+    # the merged expert wgrad's output gradients, kept as the FP8 rows B quantized: 8 micro-batches'
+    # rows at Qwen3's down width, requantized along tokens where they lie, and one micro-batch's
+    # alone (W unmerged): the bits of quantizing their values (bits times scale) along tokens
+    from fmoe.kernels import fp8_quant as fq
+
+    parts, n = [], 0
+    for i in range(8):
+        rows = 32768 + 5 * i
+        parts.append(fq.quantize_act(_activations(rows, 2048, seed=70 + i)))
+        n += rows
+    offs = _ragged_offs(n, 128, seed=80)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(81)).cuda()
+    sizes = torch.tensor([p.data.shape[0] for p in parts], device="cuda")
+    starts = torch.cumsum(sizes, 0) - sizes
+    src_part = (torch.searchsorted(torch.cumsum(sizes, 0), perm, right=True)).to(torch.int32)
+    src_row = (perm - starts[src_part.long()]).to(torch.int32)
+    got = fq.quantize_act_t_gathered(parts, src_part, src_row, offs)
+    values = torch.cat([fq.dequantize_act(p) for p in parts])[perm]
+    want = fq.quantize_act_t_reference(values, offs)
+    for field in ("data", "scale", "group_start", "group_len"):
+        assert _bits_equal(getattr(got, field), getattr(want, field)), field
+    one_offs = _ragged_offs(parts[0].data.shape[0], 128, seed=82)
+    got = fq.quantize_act_t(parts[0], one_offs)
+    want = fq.quantize_act_t_reference(fq.dequantize_act(parts[0]), one_offs)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+
+
 @pytest.mark.parametrize(
     "shape", [(1536, 2048), (8, 1536, 2048), (4, 300, 520)], ids=["dense", "experts", "ragged"]
 )
@@ -264,6 +292,8 @@ def test_swiglu_forward_backward_and_quant_compiled_equal_references():
     dh2, dq = fused.swiglu_backward(h, da, quantize=True)
     dwant = fq.quantize_act(dh)
     assert torch.equal(dh2, dh) and _bits_equal(dq.data, dwant.data) and _bits_equal(dq.scale, dwant.scale)
+    dq2 = fused.swiglu_backward_quant(h, da)  # the rows alone, no dh written
+    assert _bits_equal(dq2.data, dwant.data) and _bits_equal(dq2.scale, dwant.scale)
 
 
 def test_rmsnorm_forward_backward_compiled_equal_references():
@@ -579,7 +609,9 @@ def test_gathered_fp8_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
             merged = [primitives.merge_grouped_weight_grads([c, c]) for c in computes]
         out[name] = (y, dx, *alone, *merged)
         if name == "gathered":
-            assert computes[1].x_rows is not None and computes[0].dy_rows is not None
+            # up's W reads the tokens where they lie; both keep their output gradient's FP8 rows
+            assert computes[1].x_rows is not None
+            assert all(isinstance(c.dy, fq.Fp8Act) and c.dy_rows is None for c in computes)
     names = ("y", "dx", "dw_down", "dw_gate_up", "merged dw_down", "merged dw_gate_up")
     for a, b, what in zip(out["gathered"], out["permuted"], names):
         assert torch.equal(a, b), what

@@ -489,8 +489,9 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
         Fp8Caching(dense=False, experts=True, local_experts=4)
     )
     # and an expert weight gradient in the compute dtype: no expert input is cached
+    # (and its W keeps the bf16 output gradients, not their FP8 rows)
     assert Fp8Caching.of(True, True, MemoryPolicy(merge_window=1), 1, 4, 4, fp8_expert_wgrad=False) == (
-        Fp8Caching(dense=True, experts=False, local_experts=4)
+        Fp8Caching(dense=True, experts=False, local_experts=4, expert_grads=False)
     )
 
 
@@ -518,7 +519,8 @@ def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():
 def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
     # a step merging its expert W (window 0, 4 micro-batches): on CUDA the fused FP8 experts' W
     # keeps each micro-batch's [T, H] tokens, not their k gathered rows; FP8 is known on from its
-    # caching (here caching nothing: only that term moves), and on the CPU the copy stays
+    # caching (here caching nothing: only W's terms move), and on the CPU the copy stays; on both,
+    # the FP8 experts' W keeps the FP8 rows of the output gradients, not bf16 ones
     cfg = recipe.from_dict({"model": {"family": "qwen3_moe", **FAMILY_CONFIGS["qwen3_moe"]}}).model
     model = qwen3_moe.build(cfg)
     grads = {n: 0 for n in model.init(seed=0)}
@@ -530,10 +532,14 @@ def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
             peaks[device, fp8] = plan_activations.rank_activation_peaks(
                 "qwen3_moe", cfg, model, None, 0, mb, grads, 4, MemoryPolicy(), 1, fp8
             )[0]
-    copies = (cfg.num_experts_per_tok - 1) * 256 * 2 * cfg.hidden_size  # one micro-batch's, one layer
+    k, h, inter = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    copies = (k - 1) * 256 * 2 * h  # one micro-batch's, one layer
+    fp8_grads = (
+        256 * k * (h + 2 * inter) * (2 - (1 + 4 / 128))
+    )  # dy [k T, H] and [k T, 2I]: 2 -> 1 + 1/32 bytes
     # the peak holds 3 (during the last B) or 4 (at the step's end) micro-batches' merge operands
-    assert peaks["cuda", None] - peaks["cuda", fp8_on] in (3 * copies, 4 * copies)
-    assert peaks["cpu", None] == peaks["cpu", fp8_on]
+    assert peaks["cuda", None] - peaks["cuda", fp8_on] in (3 * (copies + fp8_grads), 4 * (copies + fp8_grads))
+    assert peaks["cpu", None] - peaks["cpu", fp8_on] in (3 * fp8_grads, 4 * fp8_grads)
     # FP8 with fp8_cache off caches nothing, and the plan still knows the fused experts keep tokens
     no_cache = MemoryPolicy(fp8_cache=False)
     mb = plan_activations.MicroBatch(2, 128, 128, 2, "cuda")
@@ -544,18 +550,19 @@ def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
         )[0]
         == peaks["cuda", fp8_on]
     )
-    # under the exchange (ep 2, or a capacity at ep 1) W keeps the received rows: nothing moves
+    # under the exchange (ep 2, or a capacity at ep 1) W keeps the received rows: only the output
+    # gradients' term moves
     mb = plan_activations.MicroBatch(2, 128, 128, 2, "cuda")
     capped = dataclasses.replace(cfg, moe_capacity_factor=1.5)
     for c, ep in ((cfg, 2), (capped, 1)):
         assert not plan_fp8.local_dispatch(c, ep)
-        same = [
+        bf16, fp8 = (
             plan_activations.rank_activation_peaks(
                 "qwen3_moe", c, model, None, 0, mb, grads, 4, MemoryPolicy(), ep, f
-            )
+            )[0]
             for f in (None, fp8_on)
-        ]
-        assert same[0] == same[1]
+        )
+        assert bf16 - fp8 in (3 * fp8_grads, 4 * fp8_grads)
     assert plan_fp8.local_dispatch(cfg, 1) and not plan_fp8.experts_read_tokens(
         "qwen3_moe", cfg, False, "cuda", False
     )

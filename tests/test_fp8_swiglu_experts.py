@@ -47,7 +47,8 @@ def calls(monkeypatch):
         seen["maps"].append(tile)
         return real_map(offs, rows, tile)
 
-    monkeypatch.setattr(fp8_linear, "quantize_act", rows)
+    monkeypatch.setattr(fp8_linear, "quantize_act", rows)  # the GEMMs' own quantization of an operand
+    monkeypatch.setattr(fp8_quant, "quantize_act", rows)  # the Functions' (dy's rows, which W also reads)
     monkeypatch.setattr(fp8_gemm, "tile_map", maps)
     return seen
 
@@ -201,9 +202,14 @@ def test_gathered_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
             (y,), fwd = S.forward(stage, params, (tokens,), StageContext())
             (dx,), work = S.backward_input(fwd, (dy,))
             (_, down), (_, up) = work.tape.entries
-            if name == "gathered":  # W keeps the tokens and the slot-ordered dy, with row indices
+            if name == "gathered":  # W keeps the tokens with row indices, and of dy: in FP8, the rows
+                # its input gradient read (in expert order), else the slot-ordered dy with row indices
                 assert up.x.shape == tokens.shape and torch.equal(up.x_rows.long(), order // k)
-                assert down.dy.data_ptr() == dy.data_ptr() and torch.equal(down.dy_rows.long(), order)
+                if fp8_wgrad:
+                    assert isinstance(down.dy, fp8_quant.Fp8Act) and down.dy_rows is None
+                    assert isinstance(up.dy, fp8_quant.Fp8Act)
+                else:
+                    assert down.dy.data_ptr() == dy.data_ptr() and torch.equal(down.dy_rows.long(), order)
             if merged:  # this micro-batch's W with another's (the same entries twice): one GEMM
                 grads = [primitives.merge_grouped_weight_grads([c, c]) for _, c in work.tape.entries]
             else:
@@ -249,7 +255,7 @@ def test_gathered_experts_merged_over_unlike_micro_batches_give_the_bits_of_the_
                 _, work = S.backward_input(fwd, (dy,))
             entries.append([c for _, c in work.tape.entries])  # down's, then up's
         if name == "gathered":
-            assert all(e[1].x_rows is not None and e[0].dy_rows is not None for e in entries)
+            assert all(e[1].x_rows is not None and (fp8_wgrad or e[0].dy_rows is not None) for e in entries)
         merged[name] = [primitives.merge_grouped_weight_grads([e[j] for e in entries]) for j in (0, 1)]
     for got, want, what in zip(merged["gathered"], merged["permuted"], ("dw_down", "dw_gate_up")):
         assert torch.equal(got, want), what
@@ -286,3 +292,37 @@ def test_the_fused_experts_apply_only_where_both_gemms_are_fp8_and_nothing_recom
             assert not primitives.fuses_fp8_swiglu_experts(x, w1, w2)
             with pytest.raises(ValueError, match="fp8_swiglu_experts: needs both GEMMs in FP8"):
                 primitives.fp8_swiglu_experts(x, w1, w2, torch.tensor([768] * 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_the_plan_counts_what_w_keeps_of_the_gathered_experts(monkeypatch, fp8_wgrad):
+    # plan_activations.expert_weight_grad_bytes (the tokens, SwiGLU's output, and the output gradients:
+    # their FP8 rows with FP8 weight gradients, else bf16) against the bytes the W entries of one
+    # micro-batch hold; the bf16 dy given to B is W's own only in bf16 (FP8: B's rows of it)
+    from types import SimpleNamespace
+
+    from fmoe.plan_activations import MicroBatch, expert_weight_grad_bytes
+
+    _use("torch", monkeypatch)
+    tokens, order, offs = _gathered_inputs()
+    _, w1, w2, _, dy = _inputs()
+    k = order.shape[0] // tokens.shape[0]
+    stage = Stage(
+        "ex",
+        lambda p, i, c: (
+            primitives.fp8_swiglu_experts(i[0] * 1, p["w1"], p["w2"], offs, order=order, top_k=k),
+        ),
+        ("e.w1", "e.w2"),
+        "e.",
+    )
+    with fp8_training(True, expert_wgrad=fp8_wgrad):
+        _, fwd = S.forward(stage, {"e.w1": w1, "e.w2": w2}, (tokens,), StageContext())
+        _, work = S.backward_input(fwd, (dy,))
+    held = {}
+    for _, c in work.tape.entries:
+        for t in (c.x, c.dy):
+            for part in (t.data, t.scale) if isinstance(t, fp8_quant.Fp8Act) else (t,):
+                held[part.data_ptr()] = part.numel() * part.element_size()
+    cfg = SimpleNamespace(num_experts_per_tok=k, hidden_size=256, moe_intermediate_size=128)
+    mb = MicroBatch(1, tokens.shape[0], tokens.shape[0], 2, "cuda")
+    assert sum(held.values()) == expert_weight_grad_bytes("qwen3_moe", cfg, mb, False, fp8_wgrad)

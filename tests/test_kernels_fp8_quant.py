@@ -108,6 +108,52 @@ def test_quantize_act_gathered_equals_quantize_act_of_the_gathered_rows(backend,
         fq.quantize_act_gathered(x, src_row.long())
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("offs", [None, [0, 50, 50, 300, 333, 333]])
+def test_requantizing_fp8_rows_along_tokens_is_quantizing_their_values(offs, pow2):
+    # DeepSeek-V3's 1x128 -> 128x1 requantization: the bits of quantize_act_t of the rows' values
+    # (bits times scale in fp32), with subnormals, 448s, an all-zero row, a width past 128s, empty
+    # experts; every E4M3 code is decoded (the interpreter decodes with integer arithmetic)
+    x = _activations(333, 200, seed=40)
+    x[7, :126] = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    rows = fq.quantize_act(x, pow2_scales=pow2)
+    offs_t = None if offs is None else torch.tensor(offs, dtype=torch.int32)
+    got = fq.quantize_act_t(rows, offs_t, pow2_scales=pow2)
+    want = fq.quantize_act_t_reference(fq.dequantize_act(rows), offs_t, pow2_scales=pow2)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    assert torch.equal(got.group_start, want.group_start) and torch.equal(got.group_len, want.group_len)
+    # the values are not those of the one quantization along tokens: each went through two roundings
+    once = fq.quantize_act_t(x, offs_t, pow2_scales=pow2)
+    assert not _bits_equal(got.data, once.data)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_requantizing_gathered_fp8_rows_is_quantizing_the_gathered_values(backend, monkeypatch):
+    # the merged expert weight gradient's FP8 output gradients: parts of different lengths (one
+    # empty), rows taken across parts out of order, each part's scales at its own row stride
+    monkeypatch.setenv("FMOE_KERNEL_BACKEND", backend)
+    g = torch.Generator().manual_seed(12)
+    parts = [fq.quantize_act(_activations(90, 200, seed=50)), fq.quantize_act(torch.empty(0, 200))]
+    parts.append(fq.quantize_act(_activations(150, 200, seed=51)))
+    n = 240
+    perm = torch.randperm(n, generator=g)
+    src_part = torch.where(perm < 90, 0, 2).to(torch.int32)
+    src_row = torch.where(perm < 90, perm, perm - 90).to(torch.int32)
+    offs = torch.tensor([70, 70, 200, 240], dtype=torch.int32)
+    got = fq.quantize_act_t_gathered(parts, src_part, src_row, offs)
+    values = torch.cat([fq.dequantize_act(p) for p in parts])[perm]
+    want = fq.quantize_act_t_reference(values, offs)
+    assert _bits_equal(got.data, want.data) and _bits_equal(got.scale, want.scale)
+    with pytest.raises(ValueError, match="a mix"):
+        fq.quantize_act_t_gathered([parts[0], values], src_part, src_row, offs)
+    with pytest.raises(ValueError, match=r"parts\[0\]: expected an Fp8Act"):
+        fq.quantize_act_t_gathered(
+            [fq.Fp8Act(parts[0].data, parts[0].scale.contiguous())], src_part, src_row, offs
+        )
+    with pytest.raises(ValueError, match="with_rows"):
+        fq.quantize_act_t(parts[0], with_rows=True)
+
+
 def test_quantize_act_t_gathered_names_the_bad_input():
     a, b = torch.randn(4, 128), torch.randn(4, 256)
     idx = torch.zeros(4, dtype=torch.int32)

@@ -103,6 +103,9 @@ def test_swiglu_backward_with_its_fp8_rows_is_the_gradient_and_the_bits_of_quant
     assert _bits_equal(q.data, want.data) and _bits_equal(q.scale, want.scale)
     with pytest.raises(ValueError, match="inter must be a multiple of 128"):
         fused.swiglu_backward(h[:, :320], da[:, :160], quantize=True)
+    only = fused.swiglu_backward_quant(h, da, pow2_scales=pow2)  # the rows alone, no dh written
+    assert _bits_equal(only.data, q.data) and _bits_equal(only.scale, q.scale)
+    assert only.scale.stride() == q.scale.stride()
 
 
 def test_the_references_of_the_quantizing_swiglus_are_their_quantizations(monkeypatch):
@@ -116,6 +119,8 @@ def test_the_references_of_the_quantizing_swiglus_are_their_quantizations(monkey
     assert torch.equal(a2, a) and _bits_equal(q2.data, q.data) and torch.equal(q2.scale, q.scale)
     want = fq.quantize_act_reference(dh)
     assert torch.equal(dh2, dh) and _bits_equal(dq2.data, want.data) and torch.equal(dq2.scale, want.scale)
+    dq3 = fused.swiglu_backward_quant(h, da)
+    assert _bits_equal(dq3.data, want.data) and torch.equal(dq3.scale, want.scale)
 
 
 @pytest.mark.parametrize("hidden", [384, 256])

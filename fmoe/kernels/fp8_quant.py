@@ -170,6 +170,38 @@ def _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER:
         return parts[0] + rows.to(tl.int64) * stride_xm
 
 
+@triton.jit
+def _e4m3_value(bits, EMULATE: tl.constexpr):
+    """E4M3 bits (uint8) -> their fp32 value, exactly. ``EMULATE`` decodes with integer arithmetic
+    (the interpreter's float8 casts are not exact); the bits are never NaN (saturating casts)."""
+    if EMULATE:
+        b = bits.to(tl.int32)
+        e = (b >> 3) & 0xF
+        m = (b & 7).to(tl.float32)
+        # normal: (1 + m/8) 2^(e-7) = (8 + m) 2^(e-10); subnormal (e = 0): m 2^-9
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        return tl.where((b & 0x80) != 0, -mag, mag)
+    else:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _row_scales(sparts, part_rows, src_part_ptr, src_row_ptr, rows, rmask, kb, GATHER: tl.constexpr):
+    """The 1x128 scales of group ``kb`` of each of ``rows`` of Fp8Act parts whose scales
+    (column-major [rows_j, groups], stride (1, rows_j)) start at ``sparts[j]``, rows_j =
+    ``part_rows[j]``. The rows are chosen as :func:`_row_bases` chooses them."""
+    kb64 = kb.to(tl.int64)
+    if GATHER:
+        part = tl.load(src_part_ptr + rows, mask=rmask, other=0)
+        r = tl.load(src_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        ptr = sparts[0] + kb64 * part_rows[0] + r
+        for j in tl.static_range(1, len(sparts)):
+            ptr = tl.where(part == j, sparts[j] + kb64 * part_rows[j] + r, ptr)
+    else:
+        ptr = sparts[0] + kb64 * part_rows[0] + rows.to(tl.int64)
+    return tl.load(ptr, mask=rmask, other=0.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels
 
@@ -212,6 +244,8 @@ def _quant_rows_kernel(
 @triton.jit
 def _quant_tiles_kernel(
     parts,
+    sparts,
+    part_rows,
     src_part_ptr,
     src_row_ptr,
     q_ptr,
@@ -230,6 +264,7 @@ def _quant_tiles_kernel(
     stride_qtk,
     half,
     PROLOGUE: tl.constexpr,
+    DEQUANT: tl.constexpr,
     ROWS: tl.constexpr,
     GATHER: tl.constexpr,
     GROUPED: tl.constexpr,
@@ -242,7 +277,9 @@ def _quant_tiles_kernel(
     The rows are those of ``parts[0]``, or, GATHER, gathered from the parts (:func:`_row_bases`).
     GROUPED: the tiles are those of a ``TileMap``; else all M rows are one group, tile t is rows
     [t*128, +128), and program (0, 0) writes the group's start and length (0, cdiv(M, 128) * 128)
-    to ``group_ptr`` [2] int32, so a dense tensor costs no tile map and no offsets tensor."""
+    to ``group_ptr`` [2] int32, so a dense tensor costs no tile map and no offsets tensor.
+    DEQUANT: the parts are Fp8Act rows (their bits, scales at ``sparts``): each tile is their values
+    (bits times scale, in fp32), quantized again along tokens."""
     t = tl.program_id(0)
     kb = tl.program_id(1)
     if GROUPED:
@@ -261,10 +298,19 @@ def _quant_tiles_kernel(
     cmask = cols < K
     mask = rmask[:, None] & cmask[None, :]
     base = _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER)
-    v = _load_act(base[:, None] + cols[None, :], mask, half, PROLOGUE)
+    if DEQUANT:
+        s_row = _row_scales(sparts, part_rows, src_part_ptr, src_row_ptr, rows, rmask, kb, GATHER)
+        bits = tl.load(base[:, None] + cols[None, :], mask=mask, other=0)
+        v = _e4m3_value(bits, EMULATE) * s_row[:, None]
+    else:
+        v = _load_act(base[:, None] + cols[None, :], mask, half, PROLOGUE)
 
     s_t, inv_t = _scales(tl.max(tl.abs(v), axis=0), POW2)
-    if PROLOGUE == 0 and not ROWS:
+    if DEQUANT:
+        # the bits loaded again through transposed pointers (from L2), as for a plain tensor below
+        bits_t = tl.load(base[None, :] + cols[:, None], mask=rmask[None, :] & cmask[:, None], other=0)
+        v_t = _e4m3_value(bits_t, EMULATE) * s_row[None, :]
+    elif PROLOGUE == 0 and not ROWS:
         # the tile is loaded again through transposed pointers (from L2: HBM sees one read): 80% of
         # a copy's bandwidth on an H100 against 67% through tl.trans (issue26_quant_bandwidth_h100.json)
         v_t = _load_act(base[None, :] + cols[:, None], rmask[None, :] & cmask[:, None], half, PROLOGUE)
@@ -491,17 +537,48 @@ def _check_src_row(src_row: Tensor, x: Tensor) -> None:
 
 
 def quantize_act_t(
-    x: Tensor, offs: Tensor | None = None, *, pow2_scales: bool = False, with_rows: bool = False
+    x: Tensor | Fp8Act, offs: Tensor | None = None, *, pow2_scales: bool = False, with_rows: bool = False
 ) -> Fp8ActT | tuple[Fp8Act, Fp8ActT]:
     """x: [tokens, features] -> Fp8ActT (groups along tokens, per expert), reading x once.
 
     offs: [experts] int32 cumulative end offsets of expert-grouped tokens (None: one group).
     with_rows: also return the Fp8Act of x from the same pass, as ``(Fp8Act, Fp8ActT)``.
+    x an Fp8Act (its rows, 1x128 groups): its values (bits times scale, in fp32) quantized again
+    along tokens - DeepSeek-V3's 1x128 -> 128x1 requantization of an operand kept in FP8 for the
+    weight gradient; the bits equal ``quantize_act_t(dequantize_act(x), offs)`` (no with_rows).
     """
+    if isinstance(x, Fp8Act):
+        if with_rows:
+            raise ValueError("quantize_act_t: with_rows is for a tensor; an Fp8Act already is its rows")
+        _check_fp8_rows(x, "x")
+        if not use_triton(x.data):
+            return quantize_act_t_reference(dequantize_act(x), offs, pow2_scales=pow2_scales)
+        return _launch_tiles(x, x.shape[1], 0, 0, _checked_offs(x.data, offs), pow2_scales, False)
     _check_2d(x, "x")
     if not use_triton(x):
         return quantize_act_t_reference(x, offs, pow2_scales=pow2_scales, with_rows=with_rows)
     return _launch_tiles(x, x.shape[1], 0, 0, _checked_offs(x, offs), pow2_scales, with_rows)
+
+
+def _check_fp8_rows(a: Fp8Act, name: str) -> None:
+    """An Fp8Act as the quantization kernels write it: [rows, k] float8 data, rows of contiguous
+    elements, and [rows, cdiv(k, 128)] float32 scales of strides (1, rows)."""
+    rows, k = a.data.shape if a.data.dim() == 2 else (-1, -1)
+    if (
+        a.data.dim() != 2
+        or a.data.dtype != FP8_DTYPE
+        or (rows > 0 and a.data.stride(1) != 1)
+        or a.scale.shape != (rows, cdiv(k, GROUP))
+        or a.scale.dtype != torch.float32
+        or (rows > 1 and a.scale.stride(0) != 1)
+        or (rows > 0 and a.scale.shape[1] > 1 and a.scale.stride(1) != rows)
+        or a.scale.device != a.data.device
+    ):
+        raise ValueError(
+            f"{name}: expected an Fp8Act of [rows, k] {FP8_DTYPE} data (rows contiguous) and column-major "
+            f"[rows, k / 128] float32 scales, got data {tuple(a.data.shape)} {a.data.dtype} and "
+            f"scale {tuple(a.scale.shape)} {a.scale.dtype} strides {a.scale.stride()}"
+        )
 
 
 def _checked_offs(x: Tensor, offs: Tensor | None) -> Tensor | None:
@@ -518,7 +595,7 @@ def _default_offs(x: Tensor, offs: Tensor | None) -> Tensor:
 
 
 def _launch_tiles(
-    x: Tensor | tuple[Tensor, ...],
+    x: Tensor | Fp8Act | tuple[Tensor, ...] | tuple[Fp8Act, ...],
     K: int,
     half: int,
     prologue: int,
@@ -528,9 +605,16 @@ def _launch_tiles(
     src: tuple[Tensor, Tensor] | None = None,
 ):
     """x: the [M, *] tensor, or (with ``src`` = (src_part, src_row), [M] int32 each) the parts whose
-    rows ``src`` gathers; every part has x's row stride. offs: [E] int32 cumulative expert ends, or
-    None: the M rows are one group (no tile map: the kernel knows its tiles and writes the group)."""
+    rows ``src`` gathers; every part has x's row stride. Fp8Act parts are requantized (their values
+    quantized along tokens; not with ``rows``). offs: [E] int32 cumulative expert ends, or None: the
+    M rows are one group (no tile map: the kernel knows its tiles and writes the group)."""
     parts = x if isinstance(x, tuple) else (x,)
+    dequant = isinstance(parts[0], Fp8Act)
+    if dequant:  # the kernel reads the bits and, per row, the scale of each 128-column group
+        sparts, part_rows = tuple(p.scale for p in parts), tuple(p.data.shape[0] for p in parts)
+        parts = tuple(p.data.view(torch.uint8) for p in parts)
+    else:
+        sparts, part_rows = parts[:1], (0,)  # unused without DEQUANT
     first = parts[0]
     M = src[0].shape[0] if src is not None else first.shape[0]
     device = first.device
@@ -549,10 +633,10 @@ def _launch_tiles(
     src_part, src_row = src if src is not None else (maps[0], maps[0])  # unused pointers without GATHER
     if K > 0:
         _quant_tiles_kernel[(tiles, cdiv(K, GROUP))](
-            parts, src_part, src_row, q.view(torch.uint8), s, qt.view(torch.uint8), st,
+            parts, sparts, part_rows, src_part, src_row, q.view(torch.uint8), s, qt.view(torch.uint8), st,
             *maps, maps[0], M, K, E, first.stride(0), q.stride(0), qt.stride(0), half,
-            PROLOGUE=prologue, ROWS=rows, GATHER=src is not None, GROUPED=offs is not None, POW2=pow2,
-            EMULATE=interpreting(), num_warps=TILES_WARPS,
+            PROLOGUE=prologue, DEQUANT=dequant, ROWS=rows, GATHER=src is not None, GROUPED=offs is not None,
+            POW2=pow2, EMULATE=interpreting(), num_warps=TILES_WARPS,
         )  # fmt: skip
     elif offs is None:
         group = torch.tensor([0, cdiv(M, GROUP) * GROUP], dtype=torch.int32, device=device)
@@ -569,12 +653,18 @@ GATHER_MAX_PARTS = 32
 
 
 def quantize_act_t_gathered(
-    parts: Sequence[Tensor], src_part: Tensor, src_row: Tensor, offs: Tensor, *, pow2_scales: bool = False
+    parts: Sequence[Tensor] | Sequence[Fp8Act],
+    src_part: Tensor,
+    src_row: Tensor,
+    offs: Tensor,
+    *,
+    pow2_scales: bool = False,
 ) -> Fp8ActT:
     """quantize_act_t of the rows ``parts[src_part[j]][src_row[j]]``, j = 0..n-1, in that order,
     without writing them out: each 128-token tile reads its rows where they lie.
 
-    parts:             up to GATHER_MAX_PARTS contiguous [rows_i, k] tensors of one dtype and device
+    parts:             up to GATHER_MAX_PARTS contiguous [rows_i, k] tensors of one dtype and device,
+                       or Fp8Acts of such rows (requantized, as ``quantize_act_t`` of an Fp8Act)
     src_part, src_row: [n] int32, the part and the row within it of each gathered row
     offs:              [experts] int32 cumulative expert end offsets of the n gathered rows
     The bits equal ``quantize_act_t(torch.cat(parts)[index], offs)`` (index: each gathered row's
@@ -584,9 +674,19 @@ def quantize_act_t_gathered(
     parts = tuple(parts)
     if not 1 <= len(parts) <= GATHER_MAX_PARTS:
         raise ValueError(f"parts: expected 1 to {GATHER_MAX_PARTS} tensors, got {len(parts)}")
-    first = parts[0]
-    for i, part in enumerate(parts):
-        if part.dim() != 2 or not part.is_contiguous():
+    fp8_rows = isinstance(parts[0], Fp8Act)
+    if any(isinstance(p, Fp8Act) != fp8_rows for p in parts):
+        raise ValueError("parts: expected all tensors or all Fp8Acts, got a mix")
+    if fp8_rows:
+        for i, part in enumerate(parts):
+            _check_fp8_rows(part, f"parts[{i}]")
+    first = parts[0].data if fp8_rows else parts[0]
+    for i, part in enumerate(p.data if fp8_rows else p for p in parts):
+        # one row stride for all (the kernel reads every part with parts[0]'s)
+        rows_ok = (
+            (part.stride(0) == first.stride(0) or part.shape[0] == 0) if fp8_rows else part.is_contiguous()
+        )
+        if part.dim() != 2 or not rows_ok:
             raise ValueError(
                 f"parts[{i}]: expected a contiguous [rows, k] tensor, got shape {tuple(part.shape)}"
             )
@@ -608,8 +708,9 @@ def quantize_act_t_gathered(
         )
     offs = check_offs(offs, n)
     if not use_triton(first):
-        starts = torch.tensor([0] + [p.shape[0] for p in parts[:-1]], device=first.device).cumsum(0)
-        rows = torch.cat(parts)[starts[src_part.long()] + src_row.long()]
+        values = [dequantize_act(p) for p in parts] if fp8_rows else parts
+        starts = torch.tensor([0] + [p.shape[0] for p in values[:-1]], device=first.device).cumsum(0)
+        rows = torch.cat(values)[starts[src_part.long()] + src_row.long()]
         return quantize_act_t_reference(rows, offs, pow2_scales=pow2_scales)
     return _launch_tiles(parts, first.shape[1], 0, 0, offs, pow2_scales, False, (src_part, src_row))
 

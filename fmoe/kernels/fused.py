@@ -110,21 +110,24 @@ def _swiglu_bwd_kernel(
     stride_dam,
     stride_dhm,
     QUANT: tl.constexpr,
+    STORE_DH: tl.constexpr,
     POW2: tl.constexpr,
     EMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """Program (i, j): rows [i*BLOCK_R, +BLOCK_R) x columns [j*128, +128) of both halves of dh =
     [dgate | dup]; QUANT (I a multiple of 128, so each half's columns are one 1x128 group of dh) also
-    writes both groups' FP8 bits and scales, of the rounded dh (the bits of quantize_act(dh))."""
+    writes both groups' FP8 bits and scales, of the rounded dh (the bits of quantize_act(dh)).
+    Without STORE_DH only those (dh_ptr then gives dh's dtype, nothing is written there)."""
     rows, kb, cols, rmask, mask, r64, g, u = _gate_up_block(h_ptr, M, I, stride_hm, BLOCK_R)
     da = tl.load(da_ptr + r64 * stride_dam + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     dg = (da * u * sig * (1.0 + g * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
     du = (da * g * sig).to(dh_ptr.dtype.element_ty)
-    dp = dh_ptr + r64 * stride_dhm + cols[None, :]
-    tl.store(dp, dg, mask=mask)
-    tl.store(dp + I, du, mask=mask)
+    if STORE_DH:
+        dp = dh_ptr + r64 * stride_dhm + cols[None, :]
+        tl.store(dp, dg, mask=mask)
+        tl.store(dp + I, du, mask=mask)
     if QUANT:
         qp = q_ptr + r64 * (2 * I) + cols[None, :]
         sp = s_ptr + kb * M + rows
@@ -182,9 +185,34 @@ def swiglu_backward(
         _swiglu_bwd_kernel[(cdiv(M, SWIGLU_BLOCK_R), cdiv(inter, GROUP))](
             h, da, dh, q.view(torch.uint8) if quantize else dh, s if quantize else dh, M, inter,
             h.stride(0), da.stride(0), dh.stride(0),
-            QUANT=quantize, POW2=pow2_scales, EMULATE=interpreting(), BLOCK_R=SWIGLU_BLOCK_R, num_warps=4,
+            QUANT=quantize, STORE_DH=True, POW2=pow2_scales, EMULATE=interpreting(), BLOCK_R=SWIGLU_BLOCK_R,
+            num_warps=4,
         )  # fmt: skip
     return (dh, Fp8Act(q, s)) if quantize else dh
+
+
+def swiglu_backward_quant(h: Tensor, da: Tensor, *, pow2_scales: bool = False) -> Fp8Act:
+    """swiglu's input gradient straight to FP8 rows (1x128 groups), no [tokens, 2 * inter] dh
+    written: the bits of ``swiglu_backward(h, da, quantize=True)[1]``. For where the FP8 rows are all
+    that is read of dh (the input-gradient GEMM, and the weight gradient requantizing them)."""
+    inter = _check_h(h)
+    if da.shape != (h.shape[0], inter) or da.stride(1) != 1:
+        raise ValueError(
+            f"da: expected shape {(h.shape[0], inter)} with a contiguous last dim, got {tuple(da.shape)}"
+        )
+    if inter % GROUP:
+        raise ValueError(f"swiglu_backward_quant: inter must be a multiple of {GROUP}, got {inter}")
+    if not use_triton(h):
+        return quantize_act_reference(swiglu_backward_reference(h, da), pow2_scales=pow2_scales)
+    M = h.shape[0]
+    q, s = _quant_outputs(M, 2 * inter, h.device, True)
+    if M and inter:
+        _swiglu_bwd_kernel[(cdiv(M, SWIGLU_BLOCK_R), cdiv(inter, GROUP))](
+            h, da, h, q.view(torch.uint8), s, M, inter, h.stride(0), da.stride(0), 0,
+            QUANT=True, STORE_DH=False, POW2=pow2_scales, EMULATE=interpreting(), BLOCK_R=SWIGLU_BLOCK_R,
+            num_warps=4,
+        )  # fmt: skip
+    return Fp8Act(q, s)
 
 
 def _quant_outputs(rows: int, cols: int, device, quantize: bool) -> tuple[Tensor | None, Tensor | None]:

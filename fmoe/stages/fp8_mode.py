@@ -31,6 +31,13 @@ The FP8 SwiGLU experts (``primitives.fp8_swiglu_experts``, one Function for two 
 cache as those two would: x where ``cached_input`` says, SwiGLU's output where ``caches_made_input``
 says (its cached form then comes from ``swiglu_quant(with_t=True)``, and no bf16 copy is made).
 
+Output gradients. An FP8 expert GEMM's B quantizes its output gradient's rows (1x128 groups) for the
+input-gradient GEMM, and its W (``GroupedWeightGrad``) keeps those FP8 rows, requantized along tokens
+when it runs (``quantize_act_t`` of an ``Fp8Act``: the rows' values, bits times scale, quantized
+again; DeepSeek-V3's 1x128 -> 128x1 recipe), not the bf16 gradient: half the bytes held until a merged
+W, and the fused SwiGLU experts write no bf16 gate/up gradient at all. Each such value goes through two
+roundings to E4M3 where an input's cached form (above) goes through one.
+
 Weights from the masters. A stacked expert weight that a rank holds whole reaches the stages of an FP8
 step as its fp32 master, not a bf16 copy (``quantized_from_master`` names them; ``parallel`` and the
 benchmarks hand them over so): the FP8 copies are all that is read of it, quantized once from fp32,

@@ -37,7 +37,7 @@ from fmoe.stages.fp8_mode import CachedInput, cols_from_saved, cols_to_save, fp8
 from fmoe.stages.recompute import recomputing
 
 if TYPE_CHECKING:
-    from fmoe.kernels.fp8_quant import Fp8ActT
+    from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT
 
 __all__ = [
     "ACCUMULATES_IN_PLACE",
@@ -172,20 +172,29 @@ class GroupedWeightGrad:
     """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
     so that a step can merge the W of several microbatches into one GEMM
     (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``),
-    dy [n, m], offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n] int32), x is the tokens
-    [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``; with ``dy_rows`` ([n] int32),
-    dy is the output gradient in token-slot order and row i is ``dy[dy_rows[i]]``. W then reads
-    them where they lie (the experts of the local dispatch, :func:`fp8_swiglu_experts`): no
-    gathered copy is kept for it."""
+    dy [n, m] (FP8: or its Fp8Act, the rows B quantized for the input gradient, which W requantizes
+    along tokens: DeepSeek-V3's recipe), offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n]
+    int32), x is the tokens [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``; with
+    ``dy_rows`` ([n] int32), dy is the output gradient in token-slot order and row i is
+    ``dy[dy_rows[i]]``. W then reads them where they lie (the experts of the local dispatch,
+    :func:`fp8_swiglu_experts`): no gathered copy is kept for it."""
 
     x: Tensor | Fp8ActT
-    dy: Tensor
+    dy: Tensor | Fp8Act
     offs: Tensor
     num_groups: int
     fp8: bool = False  # the FP8 weight-gradient GEMM (both operands quantized along tokens)
     out_dtype: torch.dtype | None = None  # of the gradient; None: dy's
     x_rows: Tensor | None = None
     dy_rows: Tensor | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.dy, Tensor) and not (
+            self.fp8 and self.out_dtype is not None and self.dy_rows is None
+        ):
+            raise ValueError(
+                "GroupedWeightGrad: a dy quantized in FP8 needs fp8=True, the gradient's out_dtype and no dy_rows"
+            )
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -373,11 +382,28 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     from fmoe.kernels.permute import scatter_rows
 
     x = first.x.new_empty(n, first.x.shape[1])
-    dy = first.dy.new_empty(n, first.dy.shape[1])
     for p, dest in zip(parts, dests):
         scatter_rows(p.gathered_x().contiguous(), dest, x)
-        scatter_rows(p.gathered_dy().contiguous(), dest, dy)
+    if isinstance(first.dy, Tensor):
+        dy = first.dy.new_empty(n, first.dy.shape[1])
+        for p, dest in zip(parts, dests):
+            scatter_rows(p.gathered_dy().contiguous(), dest, dy)
+    else:
+        dy = _merged_fp8_rows([p.dy for p in parts], dests, n)
     return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.grad_dtype)
+
+
+def _merged_fp8_rows(parts: list[Fp8Act], dests: list[Tensor], n: int) -> Fp8Act:
+    """The Fp8Act of n rows whose row dests[i][j] is row j of parts[i] (bits and scales copied)."""
+    from fmoe.kernels.fp8_quant import Fp8Act, _empty_scale
+
+    first = parts[0]
+    data = first.data.new_empty(n, first.data.shape[1])
+    scale = _empty_scale(n, first.scale.shape[1], first.data.device)
+    for p, dest in zip(parts, dests):
+        data.view(torch.uint8).index_copy_(0, dest, p.data.view(torch.uint8))
+        scale.index_copy_(0, dest, p.scale)
+    return Fp8Act(data, scale)
 
 
 def _fp8_weight_grad_gathered(
@@ -401,9 +427,14 @@ def _fp8_weight_grad_gathered(
         x_src_row.index_copy_(0, dest, own if p.x_rows is None else p.x_rows)
         dy_src_row.index_copy_(0, dest, own if p.dy_rows is None else p.dy_rows)
     x_t = quantize_act_t_gathered([p.x.contiguous() for p in parts], src_part, x_src_row, offs)
-    dy_t = quantize_act_t_gathered([p.dy.contiguous() for p in parts], src_part, dy_src_row, offs)
+    dy_t = quantize_act_t_gathered([_contiguous_rows(p.dy) for p in parts], src_part, dy_src_row, offs)
     first = parts[0]
     return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.grad_dtype)
+
+
+def _contiguous_rows(t: Tensor | Fp8Act) -> Tensor | Fp8Act:
+    """t made contiguous; an Fp8Act as it is (the quantization kernels wrote it so)."""
+    return t.contiguous() if isinstance(t, Tensor) else t
 
 
 class _Embedding(torch.autograd.Function):
@@ -562,8 +593,13 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
         offs, *saved = ctx.saved_tensors
         x = cols_from_saved(tuple(saved)) if ctx.cached else saved[0]
+        dtype = dy.dtype
+        if ctx.fp8_wgrad and ctx.needs_input_grad[1]:  # dy's FP8 rows: the input gradient's and W's
+            from fmoe.kernels.fp8_quant import quantize_act
+
+            dy = quantize_act(dy)
         dx = (
-            fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dy.dtype)
+            fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dtype)
             if ctx.needs_input_grad[0]
             else None
         )
@@ -571,7 +607,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             return dx, None, None, None, None, None
         # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads);
         # in the compute dtype (dy's), also for a weight given as its fp32 master (quantized_from_master)
-        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=ctx.fp8_wgrad, out_dtype=dy.dtype)
+        compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=ctx.fp8_wgrad, out_dtype=dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
             return dx, None, None, None, None, None
@@ -627,8 +663,10 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     """``grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)`` in FP8 as one
     Function, so that each FP8 operand is written by the kernel that makes its values: SwiGLU writes
     its output's FP8 rows (the down GEMM's input) beside the bf16 output W reads, its backward the
-    FP8 rows of the gate/up gradient (the up GEMM's input-gradient operand) beside the bf16 gradient
-    W reads; the four GEMMs of F and B walk one tile map. The bits are those of the composition
+    FP8 rows of the gate/up gradient (the up GEMM's input-gradient operand) and, with FP8 weight
+    gradients, nothing else: W reads those rows too, requantized along tokens (as it reads dy's rows,
+    which B quantized for the down GEMM's input gradient; DeepSeek-V3's recipe), so no bf16 output
+    gradient is written for it or kept; the four GEMMs of F and B walk one tile map. The bits are those of the composition
     (each FP8 operand is the quantization of the same bf16 values), the saved tensors the same, and
     W gets the same two entries (down's, then up's, as B runs them), their gradients in the compute
     dtype (dy's) whatever dtype the weights come in (an fp32 master: ``fp8_mode.quantized_from_master``).
@@ -638,8 +676,9 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     flat): F quantizes the rows from the tokens in one pass and the down GEMM stores each output row
     at its slot (no gathered copy either way); B quantizes dy's rows from the slot-ordered gradient
     and returns the tokens' gradient (each token's k rows summed, as ``layers.permute_rows``'s
-    backward does); the W entries keep the tokens and dy as they are, with row indices
-    (``GroupedWeightGrad.x_rows`` / ``dy_rows``)."""
+    backward does); the W entries keep the tokens as they are, with row indices
+    (``GroupedWeightGrad.x_rows``), and dy's FP8 rows (in bf16 weight gradients: dy as it is, with
+    ``dy_rows``)."""
 
     @staticmethod
     def forward(
@@ -694,22 +733,31 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         (up_w, down_w), (up_fp8, down_fp8) = ctx.weights, ctx.fp8
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
         E = up_w.shape[0]
+        fp8_w = ctx.fp8_wgrad  # W reads the FP8 rows of the output gradients (requantized along tokens)
         grads = [None, None]  # gate_up_w's, down_w's
+        dy_q = None
+        if need_x or need_up or (need_down and fp8_w):
+            from fmoe.kernels.fp8_quant import quantize_act, quantize_act_gathered
+
+            # dy's rows in expert order, quantized from the slots (or as they are)
+            dy_q = (
+                quantize_act(dy) if slot_rows is None else quantize_act_gathered(dy.contiguous(), slot_rows)
+            )
         if need_down:
-            compute = GroupedWeightGrad(
-                a, dy, offs, E, fp8=ctx.fp8_wgrad, out_dtype=dy.dtype, dy_rows=slot_rows
+            compute = (
+                GroupedWeightGrad(a, dy_q, offs, E, fp8=True, out_dtype=dy.dtype)
+                if fp8_w
+                else GroupedWeightGrad(a, dy, offs, E, out_dtype=dy.dtype, dy_rows=slot_rows)
             )
             grads[1] = _record_or_compute(ctx.tapes[1], down_w, compute)
         dx = None
         if need_x or need_up:
-            if slot_rows is not None:  # dy's rows in expert order, quantized from the slots
-                from fmoe.kernels.fp8_quant import quantize_act_gathered
-
-                dy_q = quantize_act_gathered(dy.contiguous(), slot_rows)
-            else:
-                dy_q = dy
             da = fp8_grouped_linear_input_grad(dy_q, down_fp8, offs, out_dtype=dy.dtype, tiles=tiles)
-            dgate_up, dgate_up_rows = fused.swiglu_backward(gate_up, da, quantize=True)
+            del dy_q
+            if fp8_w:  # the FP8 rows are all that is read of dgate_up: no bf16 copy is written
+                dgate_up = dgate_up_rows = fused.swiglu_backward_quant(gate_up, da)
+            else:
+                dgate_up, dgate_up_rows = fused.swiglu_backward(gate_up, da, quantize=True)
             del da
             if need_x:
                 dx = fp8_grouped_linear_input_grad(
@@ -721,7 +769,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
                     dx = sum_slot_rows(dx, order, ctx.top_k)
             if need_up:
                 compute = GroupedWeightGrad(
-                    x, dgate_up, offs, E, fp8=ctx.fp8_wgrad, out_dtype=dy.dtype, x_rows=x_rows
+                    x, dgate_up, offs, E, fp8=fp8_w, out_dtype=dy.dtype, x_rows=x_rows
                 )
                 grads[0] = _record_or_compute(ctx.tapes[0], up_w, compute)
         return dx, grads[0], grads[1], None, None, None, None, None, None, None, None
@@ -775,7 +823,7 @@ def fp8_swiglu_experts(
     in token-slot order, ``layers.unpermute_rows(rows' result, order, top_k)`` flat to [n, H]: its
     bits and every gradient's (x's is the tokens') are those of that composition. Up's W keeps the
     tokens (no FP8 cache of them: the [T, H] tokens are smaller than the cached form of their k T
-    rows), down's the slot-ordered output gradient."""
+    rows), down's the output gradient's FP8 rows (bf16 weight gradients: the slot-ordered gradient)."""
     weights = fp8_mode.fp8_swiglu_expert_weights(x, gate_up_w, down_w)
     if weights is None or recomputing():
         raise ValueError(

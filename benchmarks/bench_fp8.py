@@ -650,15 +650,21 @@ def _flat(out) -> list[torch.Tensor]:
 def _merge_row(d_in: int, d_out: int, rows: int = 32768) -> dict:
     from fmoe.stages import primitives
 
-    parts = {True: [], False: []}
+    parts = {True: [], False: [], "rows": []}
     for _ in range(8):
         offs = routed_offs(rows, 128)
         x, dy = acts(rows, d_in, spread=False), acts(rows, d_out, spread=False)
         for fp8 in (True, False):
             parts[fp8].append(primitives.GroupedWeightGrad(x, dy, offs, 128, fp8=fp8))
+        # as the runtime keeps it: dy's FP8 rows (B's input-gradient operand), requantized by W
+        dy_rows = fq.quantize_act(dy)
+        parts["rows"].append(
+            primitives.GroupedWeightGrad(x, dy_rows, offs, 128, fp8=True, out_dtype=dy.dtype)
+        )
     row = {"bf16_ms": ms(lambda: primitives.merge_grouped_weight_grads(parts[False]))}
     gathered = primitives.merge_grouped_weight_grads(parts[True])
     row["fp8_gathered_ms"] = ms(lambda: primitives.merge_grouped_weight_grads(parts[True]))
+    row["fp8_dy_rows_gathered_ms"] = ms(lambda: primitives.merge_grouped_weight_grads(parts["rows"]))
     real_max = fq.GATHER_MAX_PARTS
     fq.GATHER_MAX_PARTS = 1  # the rows copied into one tensor (scatter_rows), then quantized
     try:
@@ -676,7 +682,8 @@ def _merge_row(d_in: int, d_out: int, rows: int = 32768) -> dict:
 def merge() -> None:
     """W of one Qwen3 MoE layer for a step of 8 micro-batches x 4096 tokens x top-8 (8 parts of
     32768 routed rows, 128 experts), merged: BF16 (rows copied, torch._grouped_mm), FP8 with the rows
-    copied then quantized, FP8 quantizing them where they lie (the same bits, checked)."""
+    copied then quantized, FP8 quantizing them where they lie (the same bits, checked), and FP8 with
+    dy kept as its FP8 rows and requantized where they lie (what the runtime keeps)."""
     r = RESULT.setdefault("merge_8x32768", {})
     weights = {"experts_up (2048 -> 2x768)": (2048, 1536), "experts_down (768 -> 2048)": (768, 2048)}
     for name, (d_in, d_out) in weights.items():

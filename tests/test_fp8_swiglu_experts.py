@@ -326,3 +326,66 @@ def test_the_plan_counts_what_w_keeps_of_the_gathered_experts(monkeypatch, fp8_w
     cfg = SimpleNamespace(num_experts_per_tok=k, hidden_size=256, moe_intermediate_size=128)
     mb = MicroBatch(1, tokens.shape[0], tokens.shape[0], 2, "cuda")
     assert sum(held.values()) == expert_weight_grad_bytes("qwen3_moe", cfg, mb, False, fp8_wgrad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_merging_past_the_gathered_parts_copies_the_fp8_rows_with_the_same_bits(monkeypatch, backend):
+    # more micro-batches than one gathered quantization reads (GATHER_MAX_PARTS, here 1): the W
+    # entries' FP8 output-gradient rows are copied, bits and scales, into one Fp8Act, then
+    # requantized: the bits of the gathered merge
+    _use(backend, monkeypatch)
+    _, w1, w2, _, _ = _inputs()
+    gen = torch.Generator().manual_seed(7)
+    entries = []
+    for seed, counts in ((3, COUNTS), (4, [64, 250, 0, 200]), (6, [10, 0, 300, 90])):
+        tokens, order, offs = _gathered_inputs(seed=seed, counts=counts)
+        dy = torch.randn(order.shape[0], 256, generator=gen).bfloat16()
+        stage = Stage(
+            "ex",
+            lambda p, i, c, o=offs, r=order: (
+                primitives.fp8_swiglu_experts(i[0] * 1, p["w1"], p["w2"], o, order=r, top_k=2),
+            ),
+            ("e.w1", "e.w2"),
+            "e.",
+        )
+        with fp8_training(True):
+            _, fwd = S.forward(stage, {"e.w1": w1, "e.w2": w2}, (tokens,), StageContext())
+            _, work = S.backward_input(fwd, (dy,))
+        entries.append([c for _, c in work.tape.entries])
+    assert all(isinstance(c.dy, fp8_quant.Fp8Act) for e in entries for c in e)
+    gathered = [primitives.merge_grouped_weight_grads([e[j] for e in entries]) for j in (0, 1)]
+    monkeypatch.setattr(fp8_quant, "GATHER_MAX_PARTS", 1)
+    copied = [primitives.merge_grouped_weight_grads([e[j] for e in entries]) for j in (0, 1)]
+    for got, want, what in zip(copied, gathered, ("dw_down", "dw_gate_up")):
+        assert torch.equal(got, want), what
+
+
+@pytest.mark.parametrize("need", ["x", "weights", "down", "up"])
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_fused_experts_give_the_composition_bits_for_each_gradient_asked(monkeypatch, need, fp8_wgrad):
+    # under plain autograd, only some inputs asking for gradients: B quantizes dy's rows for down's
+    # W even when no input gradient is asked, and skips what nobody reads
+    _use("torch", monkeypatch)
+    x, w1, w2, offs, dy = _inputs()
+    asks = {"x": (True, False, False), "weights": (False, True, True), "down": (False, False, True),
+            "up": (False, True, False)}[need]  # fmt: skip
+    out = {}
+    for name, fn in (("composed", _composed), ("fused", primitives.fp8_swiglu_experts)):
+        xl, w1l, w2l = (t.clone().requires_grad_(a) for t, a in zip((x, w1, w2), asks))
+        with fp8_training(True, expert_wgrad=fp8_wgrad):
+            y = fn(xl * 1 if asks[0] else xl, w1l, w2l, offs)
+            y.backward(dy)
+        out[name] = [t.grad for t in (xl, w1l, w2l)]
+    for got, want, asked in zip(out["fused"], out["composed"], asks):
+        assert (got is None) == (not asked) and (got is None or torch.equal(got, want))
+
+
+def test_an_fp8_output_gradient_needs_fp8_its_dtype_and_no_row_indices():
+    x, _, _, offs, dy = _inputs()
+    rows = fp8_quant.quantize_act(dy)
+    with pytest.raises(ValueError, match="GroupedWeightGrad: a dy quantized in FP8"):
+        GroupedWeightGrad(x, rows, offs, len(COUNTS), fp8=True)  # no out_dtype
+    with pytest.raises(ValueError, match="GroupedWeightGrad: a dy quantized in FP8"):
+        GroupedWeightGrad(x, rows, offs, len(COUNTS), out_dtype=torch.bfloat16)  # not fp8
+    with pytest.raises(ValueError, match="GroupedWeightGrad: a dy quantized in FP8"):
+        GroupedWeightGrad(x, rows, offs, len(COUNTS), fp8=True, out_dtype=torch.bfloat16, dy_rows=offs)

@@ -173,7 +173,8 @@ def _row_bases(parts, src_part_ptr, src_row_ptr, rows, rmask, stride_xm, GATHER:
 @triton.jit
 def _e4m3_value(bits, EMULATE: tl.constexpr):
     """E4M3 bits (uint8) -> their fp32 value, exactly. ``EMULATE`` decodes with integer arithmetic
-    (the interpreter's float8 casts are not exact); the bits are never NaN (saturating casts)."""
+    (the interpreter's float8 casts are not exact); it reads the NaN code (written only for a
+    non-finite input, whose group's scale is then non-finite too) as 480."""
     if EMULATE:
         b = bits.to(tl.int32)
         e = (b >> 3) & 0xF
@@ -189,16 +190,17 @@ def _e4m3_value(bits, EMULATE: tl.constexpr):
 def _row_scales(sparts, part_rows, src_part_ptr, src_row_ptr, rows, rmask, kb, GATHER: tl.constexpr):
     """The 1x128 scales of group ``kb`` of each of ``rows`` of Fp8Act parts whose scales
     (column-major [rows_j, groups], stride (1, rows_j)) start at ``sparts[j]``, rows_j =
-    ``part_rows[j]``. The rows are chosen as :func:`_row_bases` chooses them."""
+    ``part_rows[j] // 16`` (see :func:`_launch_tiles`). The rows are chosen as :func:`_row_bases`
+    chooses them."""
     kb64 = kb.to(tl.int64)
     if GATHER:
         part = tl.load(src_part_ptr + rows, mask=rmask, other=0)
         r = tl.load(src_row_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        ptr = sparts[0] + kb64 * part_rows[0] + r
+        ptr = sparts[0] + kb64 * (part_rows[0] // 16) + r
         for j in tl.static_range(1, len(sparts)):
-            ptr = tl.where(part == j, sparts[j] + kb64 * part_rows[j] + r, ptr)
+            ptr = tl.where(part == j, sparts[j] + kb64 * (part_rows[j] // 16) + r, ptr)
     else:
-        ptr = sparts[0] + kb64 * part_rows[0] + rows.to(tl.int64)
+        ptr = sparts[0] + kb64 * (part_rows[0] // 16) + rows.to(tl.int64)
     return tl.load(ptr, mask=rmask, other=0.0)
 
 
@@ -611,7 +613,11 @@ def _launch_tiles(
     parts = x if isinstance(x, tuple) else (x,)
     dequant = isinstance(parts[0], Fp8Act)
     if dequant:  # the kernel reads the bits and, per row, the scale of each 128-column group
-        sparts, part_rows = tuple(p.scale for p in parts), tuple(p.data.shape[0] for p in parts)
+        # each part's row count times 16: Triton specializes an int argument on its value (1, a
+        # multiple of 16 or not), element by element in a tuple, so the counts themselves could
+        # compile a kernel per pattern of P parts (the exchange's micro-batches differ); these are
+        # all multiples of 16
+        sparts, part_rows = tuple(p.scale for p in parts), tuple(16 * p.data.shape[0] for p in parts)
         parts = tuple(p.data.view(torch.uint8) for p in parts)
     else:
         sparts, part_rows = parts[:1], (0,)  # unused without DEQUANT
@@ -687,8 +693,9 @@ def quantize_act_t_gathered(
             (part.stride(0) == first.stride(0) or part.shape[0] == 0) if fp8_rows else part.is_contiguous()
         )
         if part.dim() != 2 or not rows_ok:
+            want = "data with parts[0]'s row stride" if fp8_rows else "a contiguous [rows, k] tensor"
             raise ValueError(
-                f"parts[{i}]: expected a contiguous [rows, k] tensor, got shape {tuple(part.shape)}"
+                f"parts[{i}]: expected {want}, got shape {tuple(part.shape)} strides {part.stride()}"
             )
         if (part.shape[1], part.dtype, part.device) != (first.shape[1], first.dtype, first.device):
             raise ValueError(

@@ -219,8 +219,8 @@ class GroupedWeightGrad:
         copy of the tokens' rows."""
         return _rows_of(self.x, self.x_rows)
 
-    def gathered_dy(self) -> Tensor:
-        """dy's [n, m] rows: dy itself, or (``dy_rows``) the gathered copy."""
+    def gathered_dy(self) -> Tensor | Fp8Act:
+        """dy's [n, m] rows: dy itself (a tensor or its Fp8Act), or (``dy_rows``) the gathered copy."""
         return _rows_of(self.dy, self.dy_rows)
 
 

@@ -246,13 +246,19 @@ def expert_weight_grad_bytes(
     over the step (``runner.weight_grads`` with ``merge_later``): inputs and output gradients of
     gate/up ([k T, H], [k T, 2I]) and down ([k T, I], [k T, H]); gate/up's input is the [T, H]
     tokens instead where the experts read them where they lie (``copies_rows`` False: the fused
-    FP8 experts of the local dispatch, ``plan_fp8.experts_read_tokens``); ``fp8_grads``: the output
-    gradients are kept as their FP8 rows (a byte an element and a float32 scale per 128)."""
+    FP8 experts of the local dispatch, ``plan_fp8.experts_read_tokens``); ``fp8_grads``: the expert
+    weight gradients run in FP8, so each expert GEMM that runs in FP8 (both of its weight's dims
+    multiples of 128) keeps its output gradient's FP8 rows (a byte an element and a float32 scale
+    per 128)."""
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
     k, h = cfg.num_experts_per_tok, cfg.hidden_size
     x_rows = k if copies_rows else 1
-    grad_bytes = 1 + 4 / 128 if fp8_grads else mb.compute_bytes
-    return mb.tokens * (mb.compute_bytes * (x_rows * h + k * inter) + grad_bytes * k * (h + 2 * inter))
+
+    def grad_bytes(out: int, inp: int) -> float:  # an element of the output gradient of [E, out, inp]
+        return 1 + 4 / 128 if fp8_grads and out % 128 == 0 and inp % 128 == 0 else mb.compute_bytes
+
+    grads = grad_bytes(2 * inter, h) * 2 * inter + grad_bytes(h, inter) * h  # gate/up's, down's
+    return mb.tokens * (mb.compute_bytes * (x_rows * h + k * inter) + k * grads)
 
 
 def moe_stages(model: Model) -> set[int]:
@@ -352,11 +358,9 @@ def local_step_peaks(
     return max(during, end), max(during + (dense_grads if microbatches > 1 else 0), end + all_grads)
 
 
-def _w_fp8_grads(family: str, cfg, fp8: Fp8Caching | None) -> bool:
-    """Whether the expert weight GEMMs keep their output gradients' FP8 rows: FP8 on with its expert
-    weight gradients, the expert GEMMs in FP8 (their dims multiples of 128)."""
-    inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
-    return fp8 is not None and fp8.expert_grads and cfg.hidden_size % 128 == 0 and inter % 128 == 0
+def _w_fp8_grads(fp8: Fp8Caching | None) -> bool:
+    """Whether the step's expert weight gradients run in FP8 (``expert_weight_grad_bytes``' fp8_grads)."""
+    return fp8 is not None and fp8.expert_grads
 
 
 def _w_reads_tokens(
@@ -407,7 +411,7 @@ def rank_activation_peaks(
                 cfg,
                 mb,
                 not _w_reads_tokens(family, cfg, mb, policy, ep, fp8),
-                _w_fp8_grads(family, cfg, fp8),
+                _w_fp8_grads(fp8),
             )
         ),
         sum(b for n, b in grad_bytes.items() if n not in model.expert_params),

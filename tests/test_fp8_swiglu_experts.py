@@ -389,3 +389,36 @@ def test_an_fp8_output_gradient_needs_fp8_its_dtype_and_no_row_indices():
         GroupedWeightGrad(x, rows, offs, len(COUNTS), out_dtype=torch.bfloat16)  # not fp8
     with pytest.raises(ValueError, match="GroupedWeightGrad: a dy quantized in FP8"):
         GroupedWeightGrad(x, rows, offs, len(COUNTS), fp8=True, out_dtype=torch.bfloat16, dy_rows=offs)
+
+
+def test_the_plan_counts_fp8_rows_only_for_the_expert_gemms_that_run_in_fp8(monkeypatch):
+    # an expert width of 192: gate/up ([E, 384, 256]) runs in FP8 and keeps its output gradient's FP8
+    # rows for W, down ([E, 256, 192]) does not (192 is no multiple of 128) and keeps dy in bf16; the
+    # composition (no fused experts then) copies the rows, so W keeps them, not the tokens
+    from types import SimpleNamespace
+
+    from fmoe.plan_activations import MicroBatch, expert_weight_grad_bytes
+
+    _use("torch", monkeypatch)
+    x, _, _, offs, dy = _inputs()
+    gen = torch.Generator().manual_seed(9)
+    w1 = (torch.randn(len(COUNTS), 384, 256, generator=gen) * 0.05).bfloat16()
+    w2 = (torch.randn(len(COUNTS), 256, 192, generator=gen) * 0.05).bfloat16()
+    stage = Stage(
+        "ex", lambda p, i, c: (_composed(i[0] * 1, p["w1"], p["w2"], offs),), ("e.w1", "e.w2"), "e."
+    )
+    with fp8_training(True):
+        assert not primitives.fuses_fp8_swiglu_experts(x, w1, w2)
+        _, fwd = S.forward(stage, {"e.w1": w1, "e.w2": w2}, (x,), StageContext())
+        _, work = S.backward_input(fwd, (dy,))
+    (_, down), (_, up) = work.tape.entries
+    assert isinstance(up.dy, fp8_quant.Fp8Act) and isinstance(down.dy, torch.Tensor)
+    held = {}
+    for _, c in work.tape.entries:
+        for t in (c.x, c.dy):
+            for part in (t.data, t.scale) if isinstance(t, fp8_quant.Fp8Act) else (t,):
+                held[part.data_ptr()] = part.numel() * part.element_size()
+    k = 2  # the rows are k T: T = rows / k
+    cfg = SimpleNamespace(num_experts_per_tok=k, hidden_size=256, moe_intermediate_size=192)
+    mb = MicroBatch(1, x.shape[0] // k, x.shape[0] // k, 2, "cpu")
+    assert sum(held.values()) == expert_weight_grad_bytes("qwen3_moe", cfg, mb, True, True)

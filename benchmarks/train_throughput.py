@@ -469,6 +469,9 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for flag, n in (("--top-kernels", args.top_kernels), ("--op-profile-top", args.op_profile_top)):
+        if n < 1:
+            ap.error(f"{flag}: expected a count >= 1, got {n}")
     tiles = _fp8_tiles(args.fp8_tiles, ap)
     try:
         roles = tuple(r.strip() for r in args.recompute_roles.split(",") if r.strip())

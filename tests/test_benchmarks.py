@@ -42,6 +42,13 @@ def test_throughput_benchmark_op_profile_names_the_ops_with_their_shapes_longest
     assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
     assert all(o["op"].startswith("aten::") and o["calls"] >= 1 for o in ops)
     assert any(o["input_shapes"].startswith("[[") for o in ops)  # shapes recorded, not blank
+    args = ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "0", "--sides", "fmoe", "--op-profile"]
+    few = train_throughput.main([*args, "--op-profile-top", "3"])["results"]["fmoe"]["op_profile"]["top_ops"]
+    assert len(few) == 3  # the count asked (the step has more than 3 kinds of op)
+    for flag in ("--op-profile-top", "--top-kernels"):
+        with pytest.raises(SystemExit) as e:
+            train_throughput.main([*args, flag, "0"])
+        assert e.value.code == 2
 
 
 def test_throughput_benchmark_takes_another_familys_recipe(tmp_path):

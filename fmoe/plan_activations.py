@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fmoe import pipeline
 from fmoe.memory_policy import EXCHANGE_ROLES, MemoryPolicy
-from fmoe.plan_fp8 import Fp8Caching, experts_read_tokens, fp8_cache_bytes, local_dispatch
+from fmoe.plan_fp8 import Fp8Caching, experts_read_tokens, fp8_cache_bytes, fp8_rows_bytes, local_dispatch
 from fmoe.schedules.table import Schedule
 from fmoe.stages.spec import Model, Stage
 
@@ -221,22 +221,30 @@ def stage_kept_bytes(
     and at B the whole saved set again (the recompute); "selective": F's saved bytes less the norms'
     and SwiGLUs' outputs, which B remakes; "offload": the carry in stays (the saved tensors go to
     the host; the ones under ``fmoe.offload.MIN_BYTES`` = 1 MiB, which stay, are left out: a few
-    per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8 input
-    caching (:func:`fp8_cache_bytes`; not of the regions "selective" recomputes); local: the MoE
+    per stage), and at B the stage's saved set is back on the device. fp8: the step's FP8, its input
+    caching (:func:`fp8_cache_bytes`) and the inputs its expert W keeps as FP8 rows
+    (:func:`fp8_rows_bytes`), neither of the regions "selective" recomputes; local: the MoE
     dispatch is the local permutation (ep 1: mlp gathers the experts' rows itself)."""
     saved = stage_activation_bytes(family, cfg, stage, moe, mb, num_experts, local)
     cache = (family, cfg, stage.role, moe, mb.tokens, mb.compute_bytes, fp8)
     if mode == "none":
-        return saved + fp8_cache_bytes(*cache, local=local, device=mb.device), 0.0
+        return saved + _fp8_bytes(cache, False, local, mb.device), 0.0
     if mode == "selective":
-        saved += fp8_cache_bytes(*cache, selective=True, local=local, device=mb.device)
+        saved += _fp8_bytes(cache, True, local, mb.device)
         dropped = min(saved, _selective_bytes(family, cfg, stage, moe, mb))
         return saved - dropped, dropped
-    saved += fp8_cache_bytes(*cache, local=local, device=mb.device)
+    saved += _fp8_bytes(cache, False, local, mb.device)
     # "full" and "offload": the stage's inputs stay on the device (they are the carry the recompute,
     # or the host copy's owner, starts from); a cheap stage (dispatch) may keep more than it saved
     carry = stage_input_bytes(family, cfg, stage, moe, mb, local)
     return carry, saved
+
+
+def _fp8_bytes(cache: tuple, selective: bool, local: bool, device: str) -> int:
+    """FP8's change of a stage's saved bytes: its input caching (``plan_fp8.fp8_cache_bytes``) and
+    the inputs kept as FP8 rows for the expert weight gradients (``plan_fp8.fp8_rows_bytes``)."""
+    where = dict(selective=selective, local=local, device=device)
+    return fp8_cache_bytes(*cache, **where) + fp8_rows_bytes(*cache, **where)
 
 
 def expert_weight_grad_bytes(
@@ -249,16 +257,19 @@ def expert_weight_grad_bytes(
     FP8 experts of the local dispatch, ``plan_fp8.experts_read_tokens``); ``fp8_grads``: the expert
     weight gradients run in FP8, so each expert GEMM that runs in FP8 (both of its weight's dims
     multiples of 128) keeps its output gradient's FP8 rows (a byte an element and a float32 scale
-    per 128)."""
+    per 128), and the down GEMM of SwiGLU experts the FP8 rows of its input
+    (``grouped_linear``'s ``w_reads_rows``, under selective recomputation too: B quantizes the remade
+    output; not gpt-oss's clamped SwiGLU)."""
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
     k, h = cfg.num_experts_per_tok, cfg.hidden_size
     x_rows = k if copies_rows else 1
 
-    def grad_bytes(out: int, inp: int) -> float:  # an element of the output gradient of [E, out, inp]
+    def fp8_bytes(out: int, inp: int) -> float:  # an element W keeps in FP8 rows of [E, out, inp]'s GEMM
         return 1 + 4 / 128 if fp8_grads and out % 128 == 0 and inp % 128 == 0 else mb.compute_bytes
 
-    grads = grad_bytes(2 * inter, h) * 2 * inter + grad_bytes(h, inter) * h  # gate/up's, down's
-    return mb.tokens * (mb.compute_bytes * (x_rows * h + k * inter) + k * grads)
+    grads = fp8_bytes(2 * inter, h) * 2 * inter + fp8_bytes(h, inter) * h  # gate/up's, down's
+    a = mb.compute_bytes if family == "gpt_oss" else fp8_bytes(h, inter)  # SwiGLU's output
+    return mb.tokens * (mb.compute_bytes * x_rows * h + k * (a * inter + grads))
 
 
 def moe_stages(model: Model) -> set[int]:

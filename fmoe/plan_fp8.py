@@ -4,7 +4,8 @@ With ``train.fp8`` and ``memory.fp8_cache`` (:class:`Fp8Caching`), an FP8 linear
 inside its stage, is not a view and is read by FP8 linears only keeps that input in FP8 for its
 weight gradient (``fmoe.stages.fp8_mode``). :func:`fp8_cache_bytes` is what that changes in a stage's
 saved bytes: each cached input's form (``cached_input_bytes``) in place of its compute-dtype bytes,
-per the stages' code (:func:`fp8_inputs` lists them per family and role). Checked to the byte
+and the FP8 rows of the input an FP8 expert weight gradient reads as rows (SwiGLU's output, cached or
+not), per the stages' code (:func:`fp8_inputs` lists them per family and role). Checked to the byte
 against the saved tensors of a CPU run (tests/test_fp8_cache.py). The FP8 weight copies are the
 gathered term's (``fmoe.plan.fp8_weight_bytes``).
 """
@@ -23,6 +24,7 @@ __all__ = [
     "experts_read_tokens",
     "fp8_cache_bytes",
     "fp8_inputs",
+    "fp8_rows_bytes",
     "local_dispatch",
     "mlp_copies_rows",
 ]
@@ -72,7 +74,9 @@ class Fp8Input(NamedTuple):
     multiples of 128 (runs in FP8); kept: another reading it does not, and so saves it in the compute
     dtype anyway (the cached form is then extra); expert: an expert GEMM's (grouped by expert);
     region: the output of a recomputable region, which "selective" drops where it is kept in the
-    compute dtype."""
+    compute dtype; w_reads_rows: kept as the FP8 rows the forward GEMM reads (1 byte an element and
+    a float32 scale per 128), never cached, wherever the expert weight gradients run in FP8
+    (``grouped_linear``'s ``w_reads_rows``: SwiGLU experts' down input)."""
 
     rows: int
     width: int
@@ -80,6 +84,7 @@ class Fp8Input(NamedTuple):
     kept: bool = False
     expert: bool = False
     region: bool = False
+    w_reads_rows: bool = False
 
 
 def local_dispatch(cfg, ep: int) -> bool:
@@ -134,7 +139,8 @@ def fp8_inputs(family: str, cfg, role: str, moe: bool, t: int, copies_rows: bool
     inter = cfg.intermediate_size if family == "gpt_oss" else cfg.moe_intermediate_size
     # the experts' down reads the SwiGLU output; gate_up the rows mlp gathers from the tokens (a
     # copy, where it makes one) or its input (expert parallelism)
-    out = [Fp8Input(t * k, inter, ok(h, inter), expert=True, region=family != "gpt_oss")]
+    swiglu = family != "gpt_oss"
+    out = [Fp8Input(t * k, inter, ok(h, inter), expert=True, region=swiglu, w_reads_rows=swiglu)]
     if copies_rows:
         out.append(Fp8Input(t * k, h, ok(h, 2 * inter), expert=True))
     shared = (cfg.n_shared_experts or 0) if family == "deepseek_v2" else 0
@@ -156,6 +162,7 @@ def _cached(
         i
         for i in fp8_inputs(family, cfg, role, moe, tokens, copies_rows)
         if i.eligible
+        and not i.w_reads_rows
         and (fp8.experts if i.expert else fp8.dense)
         and _cached_bytes(i, fp8) < i.rows * i.width * elem
         and not (selective and i.region)
@@ -179,3 +186,22 @@ def fp8_cache_bytes(
     copies_rows = mlp_copies_rows(family, cfg, local, device, selective) if moe else False
     cached = _cached(family, cfg, role, moe, tokens, elem, fp8, selective, copies_rows)
     return sum(_cached_bytes(i, fp8) - (0 if i.kept else i.rows * i.width * elem) for i in cached)
+
+
+def fp8_rows_bytes(
+    family: str, cfg, role: str, moe: bool, tokens: int, elem: int, fp8: Fp8Caching | None,
+    selective: bool = False, local: bool = True, device: str = "cpu",
+) -> int:  # fmt: skip
+    """What the FP8 expert weight gradients change in the bytes one micro-batch's stage of ``role``
+    saves, cached or not: each input kept as the FP8 rows the forward GEMM reads (``w_reads_rows``:
+    1 byte an element and a float32 scale per 128) less its bytes in the compute dtype (``elem``);
+    none where FP8, or the FP8 expert weight gradient, is off, or the input is a region ``selective``
+    recomputes. Arguments as :func:`fp8_cache_bytes`'."""
+    if fp8 is None or not fp8.expert_grads:
+        return 0
+    copies_rows = mlp_copies_rows(family, cfg, local, device, selective) if moe else False
+    return sum(
+        i.rows * (i.width + 4 * (i.width // 128)) - i.rows * i.width * elem
+        for i in fp8_inputs(family, cfg, role, moe, tokens, copies_rows)
+        if i.w_reads_rows and i.eligible and not (selective and i.region)
+    )

@@ -550,8 +550,10 @@ def test_fp8_experts_take_the_fused_function_with_the_bits_of_the_composition(mo
     real = primitives.fp8_swiglu_experts
     monkeypatch.setattr(layers, "fp8_swiglu_experts", lambda *a: fused_calls.append(1) or real(*a))
 
-    def composed(x, w1, w2, offs):
-        return grouped_linear(layers._FusedSwiGLU.apply(grouped_linear(x, w1, offs)), w2, offs)
+    def composed(x, w1, w2, offs):  # down's W on the FP8 rows of SwiGLU's output, as expert_mlp composes it
+        return grouped_linear(
+            layers._FusedSwiGLU.apply(grouped_linear(x, w1, offs)), w2, offs, w_reads_rows=True
+        )
 
     out = {}
     for name, fn in (("fused", layers.expert_mlp), ("composed", composed)):
@@ -609,8 +611,9 @@ def test_gathered_fp8_experts_give_the_bits_of_the_experts_on_the_permuted_rows(
             merged = [primitives.merge_grouped_weight_grads([c, c]) for c in computes]
         out[name] = (y, dx, *alone, *merged)
         if name == "gathered":
-            # up's W reads the tokens where they lie; both keep their output gradient's FP8 rows
-            assert computes[1].x_rows is not None
+            # up's W reads the tokens where they lie, down's the FP8 rows of SwiGLU's output; both
+            # keep their output gradient's FP8 rows
+            assert computes[1].x_rows is not None and isinstance(computes[0].x, fq.Fp8Act)
             assert all(isinstance(c.dy, fq.Fp8Act) and c.dy_rows is None for c in computes)
     names = ("y", "dx", "dw_down", "dw_gate_up", "merged dw_down", "merged dw_gate_up")
     for a, b, what in zip(out["gathered"], out["permuted"], names):

@@ -21,7 +21,7 @@ from fmoe.kernels import fp8_quant, fused
 from fmoe.kernels.fp8_quant import Fp8ActT, quantize_act_t
 from fmoe.memory_policy import MemoryPolicy
 from fmoe.mesh import build_mesh
-from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes
+from fmoe.plan_fp8 import Fp8Caching, fp8_cache_bytes, fp8_rows_bytes
 from fmoe.stages import primitives, qwen3_moe
 from fmoe.stages.fp8_mode import cached_input_bytes
 from fmoe.stages.primitives import fp8_training, grouped_linear, linear
@@ -90,8 +90,9 @@ def test_fp8_cache_with_the_triton_kernels_gives_bitwise_the_step_without(monkey
     kinds = cached_kinds(monkeypatch)
     ref = run_step(model, params, batch, 1, policy, cache=False)
     got = run_step(model, params, batch, 1, policy, cache=True)
-    # q/k/v's input; the experts' rows (gathered from the tokens inside mlp) and down's input
-    assert not differences(got, ref) and kinds == ["linear", "grouped_linear", "grouped_linear"]
+    # q/k/v's input; the experts' rows (gathered from the tokens inside mlp); down's input is not
+    # cached: W keeps the FP8 rows its forward GEMM read (grouped_linear's w_reads_rows)
+    assert not differences(got, ref) and kinds == ["linear", "grouped_linear"]
 
 
 @pytest.mark.parametrize("window", [1, 0])
@@ -109,10 +110,11 @@ def test_fp8_cache_gives_bitwise_the_losses_and_grads_of_no_cache(window, monkey
     # per micro-batch: q/k/v share one quantized input in each of 2 layers (o reads a view of the
     # attention's output, which SDPA saves: not cached); the dense MLP's down (gate/up read the mlp
     # stage's input, which F keeps anyway: not cached); the experts' rows (mlp gathers them from the
-    # tokens, its input) and down's input, only where W is not merged (window 1)
+    # tokens, its input), only where W is not merged (window 1); down's input never (W keeps its
+    # FP8 rows, at any window)
     dense = 2 * (2 * 1 + 1)
     assert kinds.count("linear") == dense
-    assert kinds.count("grouped_linear") == (2 * 2 if window == 1 else 0)
+    assert kinds.count("grouped_linear") == (2 * 1 if window == 1 else 0)
 
 
 def test_fp8_cache_under_recompute_and_offload_gives_the_bits_of_none_without_cache(monkeypatch):
@@ -138,7 +140,7 @@ def test_fp8_cache_under_recompute_and_offload_gives_the_bits_of_none_without_ca
             # rows are cached
             assert kinds == ["linear", "grouped_linear"] * 2, kinds
         else:  # "full": F, then F again before B
-            assert len(kinds) == (2 if policy.recompute == "full" else 1) * 2 * (2 + 1 + 2), kinds
+            assert len(kinds) == (2 if policy.recompute == "full" else 1) * 2 * (2 + 1 + 1), kinds
 
 
 def test_a_cache_quantized_otherwise_changes_the_bits(monkeypatch):
@@ -191,8 +193,8 @@ def test_the_trainer_step_caches_by_the_policy_and_keeps_the_bits(monkeypatch):
             model, shards, infos, batch, 2, mesh, dtype=torch.bfloat16, fp8=True, memory=policy
         )
         if cache:  # as test_fp8_cache_gives_bitwise_..., window 1
-            assert kinds.count("linear") == 2 * 3 and kinds.count("grouped_linear") == 2 * 2
-    assert len(kinds) == 2 * 5, "nothing cached with fp8_cache = false"
+            assert kinds.count("linear") == 2 * 3 and kinds.count("grouped_linear") == 2 * 1
+    assert len(kinds) == 2 * 4, "nothing cached with fp8_cache = false"
     assert torch.equal(out[True].loss, out[False].loss)
     assert all(torch.equal(out[True].grad_shards[n], g) for n, g in out[False].grad_shards.items())
 
@@ -386,13 +388,14 @@ def test_fp8_cache_reaches_the_recipe_round_trips_and_a_bad_value_names_its_fiel
         recipe.from_dict({**data, "memory": {"fp8_cache": 1}}, "r.toml")
 
 
-def saved_per_stage(model, params, batch, cache: Fp8Caching | None) -> list[int]:
+def saved_per_stage(model, params, batch, cache: Fp8Caching | None, fp8: bool = True) -> list[int]:
     """Bytes each stage's F saves for B (distinct storages, parameters left out), one micro-batch
-    (tests/test_fp8_cache_cuda.py runs it on the GPU)."""
+    (tests/test_fp8_cache_cuda.py runs it on the GPU); FP8 on (caching nothing without ``cache``),
+    or off."""
     param_storages = {t.untyped_storage().data_ptr() for t in params.values()}
     carry, out = (), []
     flags = dict(cache_inputs=cache.dense, cache_expert_inputs=cache.experts) if cache else {}
-    with fp8_training(True, **flags):
+    with fp8_training(fp8, **flags):
         for stage in model.stages:
             saved: dict[int, int] = {}
 
@@ -447,6 +450,14 @@ def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage(family):
     measured = [c - n for c, n in zip(with_cache, without)]
     assert measured == planned, [(st.name, m, p) for st, m, p in zip(model.stages, measured, planned)]
     assert sum(planned) < 0
+    # FP8 itself, caching nothing, against FP8 off: the inputs W keeps as FP8 rows (SwiGLU's output)
+    off = saved_per_stage(model, params, batch, None, fp8=False)
+    rows = [
+        fp8_rows_bytes(formulas, cfg, st.role, i in moe, 256, 2, caching) for i, st in enumerate(model.stages)
+    ]
+    measured = [n - f for n, f in zip(without, off)]
+    assert measured == rows, [(st.name, m, p) for st, m, p in zip(model.stages, measured, rows)]
+    assert (sum(rows) < 0) == (family != "gpt_oss")  # gpt-oss's clamped SwiGLU keeps its output
     # the plan's activations of the micro-batch move by as much
     mb = plan_activations.MicroBatch(2, 128, 128, 2, "cpu")
     every = range(len(model.stages))
@@ -454,7 +465,7 @@ def test_the_plan_knows_the_bytes_fp8_caching_saves_per_stage(family):
         plan_activations.chunk_activation_bytes(formulas, cfg, model, every, mb, fp8=c)[0]
         for c in (None, caching)
     ]
-    assert kept[1] - kept[0] == sum(planned)
+    assert kept[1] - kept[0] == sum(planned) + sum(rows)
 
 
 def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
@@ -463,22 +474,35 @@ def test_the_plans_fp8_terms_are_the_cached_forms_bytes():
     # q/k/v's input [256, 128]: 2 tiles of 128 tokens, 1 byte an element and a float32 scale a tile
     dense = (256 * 128 + 4 * 128 * 2 + 8) - 2 * 256 * 128
     assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching) == dense
-    # the experts' down input [512, 128] over 4 experts: 512 / 128 + 3 = 7 tiles; their gathered
-    # rows [512, 128] likewise where mlp gathers them (the local permutation), not where they are
-    # its input (expert parallelism)
+    # the experts' gathered rows [512, 128] over 4 experts: 512 / 128 + 3 = 7 tiles, where mlp
+    # gathers them (the local permutation), not where they are its input (expert parallelism)
     experts = 7 * 128 * 132 + 8 * 4 - 2 * 512 * 128
-    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == 2 * experts
-    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, local=False) == experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching) == experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, local=False) == 0
     # on CUDA the fused FP8 experts read the rows from the tokens (no copy) - not under selective
     # recomputation, which takes the composition, and not gpt-oss's experts
-    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, device="cuda") == experts
+    assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, device="cuda") == 0
     assert plan_fp8.mlp_copies_rows("qwen3_moe", cfg, True, "cuda", selective=True)
     assert plan_fp8.mlp_copies_rows("gpt_oss", cfg, True, "cuda", selective=False)
     assert not plan_fp8.mlp_copies_rows("qwen3_moe", cfg, False, "cpu", selective=False)
-    # under selective recomputation the regions' outputs (the norm's, the SwiGLU's) are not cached
+    # the experts' down input [512, 128] is never cached: W keeps its FP8 rows, 1 byte an element
+    # and a float32 scale per 128, with FP8 expert weight gradients, cached or not, on any device
+    rows = 512 * (128 + 4) - 2 * 512 * 128
+    for fp8 in (caching, Fp8Caching(False, False, 4)):
+        for where in ({}, {"local": False}, {"device": "cuda"}):
+            assert fp8_rows_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, fp8, **where) == rows, (fp8, where)
+    assert fp8_rows_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching) == 0
+    assert fp8_rows_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, None) == 0  # FP8 off
+    no_fp8_w = Fp8Caching(dense=True, experts=False, local_experts=4, expert_grads=False)
+    assert fp8_rows_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, no_fp8_w) == 0  # W reads bf16 a
+    gpt = recipe.from_dict({"model": {"family": "gpt_oss", **FAMILY_CONFIGS["gpt_oss"]}}).model
+    assert fp8_rows_bytes("gpt_oss", gpt, "mlp", True, 256, 2, caching) == 0  # clamped SwiGLU: kept as is
+    # under selective recomputation the regions' outputs (the norm's, the SwiGLU's) are neither cached
+    # nor kept as rows
     assert fp8_cache_bytes("qwen3_moe", cfg, "attn", True, 256, 2, caching, selective=True) == 0
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == experts
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True, local=False) == 0
+    assert fp8_rows_bytes("qwen3_moe", cfg, "mlp", True, 256, 2, caching, selective=True) == 0
     assert fp8_cache_bytes("qwen3_moe", cfg, "mlp", False, 256, 2, caching, selective=True) < 0
     # FP8 on with nothing cached is still FP8 to the plan; off, there is no caching at all
     assert Fp8Caching.of(True, True, MemoryPolicy(fp8_cache=False), 1, 4, 4) == Fp8Caching(False, False, 4)
@@ -513,14 +537,16 @@ def test_fmoe_plan_of_an_fp8_recipe_plans_less_with_the_cache():
             .stage_terms[0]
             .activations
         )
-    assert acts[False, True] == acts[True, False] > acts[True, True]
+    # FP8 alone keeps SwiGLU's output as FP8 rows (its W reads them); caching keeps less again
+    assert acts[False, True] > acts[True, False] > acts[True, True]
 
 
 def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
     # a step merging its expert W (window 0, 4 micro-batches): on CUDA the fused FP8 experts' W
     # keeps each micro-batch's [T, H] tokens, not their k gathered rows; FP8 is known on from its
     # caching (here caching nothing: only W's terms move), and on the CPU the copy stays; on both,
-    # the FP8 experts' W keeps the FP8 rows of the output gradients, not bf16 ones
+    # the FP8 experts' W keeps the FP8 rows of the output gradients and of SwiGLU's output, not bf16
+    # ones (the rows of SwiGLU's output from F on: the micro-batch in B holds them too)
     cfg = recipe.from_dict({"model": {"family": "qwen3_moe", **FAMILY_CONFIGS["qwen3_moe"]}}).model
     model = qwen3_moe.build(cfg)
     grads = {n: 0 for n in model.init(seed=0)}
@@ -534,12 +560,16 @@ def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
             )[0]
     k, h, inter = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     copies = (k - 1) * 256 * 2 * h  # one micro-batch's, one layer
-    fp8_grads = (
-        256 * k * (h + 2 * inter) * (2 - (1 + 4 / 128))
-    )  # dy [k T, H] and [k T, 2I]: 2 -> 1 + 1/32 bytes
-    # the peak holds 3 (during the last B) or 4 (at the step's end) micro-batches' merge operands
-    assert peaks["cuda", None] - peaks["cuda", fp8_on] in (3 * (copies + fp8_grads), 4 * (copies + fp8_grads))
-    assert peaks["cpu", None] - peaks["cpu", fp8_on] in (3 * fp8_grads, 4 * fp8_grads)
+    # dy [k T, H], the gate/up gradient [k T, 2I] and SwiGLU's output [k T, I]: 2 -> 1 + 1/32 bytes
+    fp8_grads = 256 * k * (h + 2 * inter + inter) * (2 - (1 + 4 / 128))
+    a_rows = 256 * k * inter * (2 - (1 + 4 / 128))  # the micro-batch in B: SwiGLU's output in F's rows
+    # the peak holds 3 (during the last B, beside its F's activations) or 4 (at the step's end)
+    # micro-batches' merge operands
+    assert peaks["cuda", None] - peaks["cuda", fp8_on] in (
+        3 * (copies + fp8_grads) + a_rows,
+        4 * (copies + fp8_grads),
+    )
+    assert peaks["cpu", None] - peaks["cpu", fp8_on] in (3 * fp8_grads + a_rows, 4 * fp8_grads)
     # FP8 with fp8_cache off caches nothing, and the plan still knows the fused experts keep tokens
     no_cache = MemoryPolicy(fp8_cache=False)
     mb = plan_activations.MicroBatch(2, 128, 128, 2, "cuda")
@@ -562,7 +592,7 @@ def test_the_plan_keeps_the_tokens_for_the_fused_experts_merged_w():
             )[0]
             for f in (None, fp8_on)
         )
-        assert bf16 - fp8 in (3 * fp8_grads, 4 * fp8_grads)
+        assert bf16 - fp8 in (3 * fp8_grads + a_rows, 4 * fp8_grads)
     assert plan_fp8.local_dispatch(cfg, 1) and not plan_fp8.experts_read_tokens(
         "qwen3_moe", cfg, False, "cuda", False
     )

@@ -54,8 +54,9 @@ def calls(monkeypatch):
 
 
 def _composed(x, w1, w2, offs):
-    # the composition with the fused SwiGLU (the kernel CUDA runs; on the CPU layers.swiglu is torch's)
-    return grouped_linear(layers._FusedSwiGLU.apply(grouped_linear(x, w1, offs)), w2, offs)
+    # the composition with the fused SwiGLU (the kernel CUDA runs; on the CPU layers.swiglu is torch's),
+    # the down GEMM's W on the FP8 rows of SwiGLU's output, as layers.expert_mlp composes it
+    return grouped_linear(layers._FusedSwiGLU.apply(grouped_linear(x, w1, offs)), w2, offs, w_reads_rows=True)
 
 
 def _inputs(hidden=256, inter=128, seed=0):
@@ -110,15 +111,17 @@ def test_fused_experts_give_the_bits_of_the_composition(
         counted[name] = (list(calls["rows"]), list(calls["maps"]))
     for got, want, what in zip(out["fused"], out["composed"], ("y", "dx", "dw_gate_up", "dw_down", "W")):
         assert got == want if what == "W" else torch.equal(got, want), what
-    if deferred:  # B runs down's then up's: W gets them in that order; x and a cached where caching is on
-        kind = "Fp8ActT" if cache and fp8_wgrad else "Tensor"
-        assert out["fused"][4] == [("e.w2", kind, fp8_wgrad), ("e.w1", kind, fp8_wgrad)]
+    if deferred:  # B runs down's then up's: W gets them in that order; x cached where caching is on,
+        # a's FP8 rows with FP8 weight gradients (cached or not: its rows are smaller), else a
+        x_kind = "Fp8ActT" if cache and fp8_wgrad else "Tensor"
+        a_kind = "Fp8Act" if fp8_wgrad else "Tensor"
+        assert out["fused"][4] == [("e.w2", a_kind, fp8_wgrad), ("e.w1", x_kind, fp8_wgrad)]
     # rows quantized by a kernel of their own: dy's (256 wide) and, not cached, x's; SwiGLU and its
     # backward write a's and the gate/up gradient's FP8 rows themselves, where the composition
-    # quantizes them (a: 128 wide, cached: with its W form; the gate/up gradient: 256)
+    # quantizes them (a: 128 wide; the gate/up gradient: 256)
     cached = cache and fp8_wgrad
     assert sorted(counted["fused"][0]) == ([256] if cached else [256, 256])
-    assert sorted(counted["composed"][0]) == ([256, 256] if cached else [128, 256, 256, 256])
+    assert sorted(counted["composed"][0]) == ([128, 256, 256] if cached else [128, 256, 256, 256])
     if backend == "triton":  # the forward / input-gradient GEMMs share one map (the W GEMMs are not these)
         tile = fp8_gemm.INTERPRET_CONFIG.block_m
         assert counted["fused"][1].count(tile) == 1 and counted["composed"][1].count(tile) == 4
@@ -389,6 +392,19 @@ def test_an_fp8_output_gradient_needs_fp8_its_dtype_and_no_row_indices():
         GroupedWeightGrad(x, rows, offs, len(COUNTS), out_dtype=torch.bfloat16)  # not fp8
     with pytest.raises(ValueError, match="GroupedWeightGrad: a dy quantized in FP8"):
         GroupedWeightGrad(x, rows, offs, len(COUNTS), fp8=True, out_dtype=torch.bfloat16, dy_rows=offs)
+
+
+def test_an_x_of_fp8_rows_needs_fp8_and_no_row_indices_and_merges_only_with_its_kind():
+    x, _, _, offs, dy = _inputs()
+    rows = fp8_quant.quantize_act(x)
+    with pytest.raises(ValueError, match="GroupedWeightGrad: an x of FP8 rows"):
+        GroupedWeightGrad(rows, dy, offs, len(COUNTS), out_dtype=torch.bfloat16)  # not fp8
+    with pytest.raises(ValueError, match="GroupedWeightGrad: an x of FP8 rows"):
+        GroupedWeightGrad(rows, dy, offs, len(COUNTS), fp8=True, x_rows=offs)
+    as_rows = GroupedWeightGrad(rows, dy, offs, len(COUNTS), fp8=True)
+    as_bf16 = GroupedWeightGrad(x, dy, offs, len(COUNTS), fp8=True)
+    with pytest.raises(ValueError, match="parts differ in .* x's form"):
+        primitives.merge_grouped_weight_grads([as_rows, as_bf16])
 
 
 def test_the_plan_counts_fp8_rows_only_for_the_expert_gemms_that_run_in_fp8(monkeypatch):

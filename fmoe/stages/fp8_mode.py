@@ -28,15 +28,19 @@ query projection, whose input also feeds ``kv_a_proj_with_mqa`` (576 rows keep i
 saves the input in the compute dtype).
 
 The FP8 SwiGLU experts (``primitives.fp8_swiglu_experts``, one Function for two grouped linears)
-cache as those two would: x where ``cached_input`` says, SwiGLU's output where ``caches_made_input``
-says (its cached form then comes from ``swiglu_quant(with_t=True)``, and no bf16 copy is made).
+cache as those two would: x where ``cached_input`` says; SwiGLU's output never, since with FP8
+weight gradients the down GEMM's W reads the FP8 rows its forward read (``grouped_linear``'s
+``w_reads_rows``; next paragraph), which are smaller than its cached form and give the same bits at
+any merge window.
 
-Output gradients. An FP8 expert GEMM's B quantizes its output gradient's rows (1x128 groups) for the
-input-gradient GEMM, and its W (``GroupedWeightGrad``) keeps those FP8 rows, requantized along tokens
-when it runs (``quantize_act_t`` of an ``Fp8Act``: the rows' values, bits times scale, quantized
-again; DeepSeek-V3's 1x128 -> 128x1 recipe), not the bf16 gradient: half the bytes held until a merged
-W, and the fused SwiGLU experts write no bf16 gate/up gradient at all. Each such value goes through two
-roundings to E4M3 where an input's cached form (above) goes through one.
+Output gradients, and SwiGLU's output. An FP8 expert GEMM's B quantizes its output gradient's rows
+(1x128 groups) for the input-gradient GEMM, and its W (``GroupedWeightGrad``) keeps those FP8 rows,
+requantized along tokens when it runs (``quantize_act_t`` of an ``Fp8Act``: the rows' values, bits
+times scale, quantized again; DeepSeek-V3's 1x128 -> 128x1 recipe), not the bf16 gradient: half the
+bytes held until a merged W, and the fused SwiGLU experts write no bf16 gate/up gradient at all. The
+down GEMM's input, SwiGLU's output, is kept so too: F's FP8 rows of it, not the bf16 product (which
+the fused experts then never write). Each such value goes through two roundings to E4M3 where an
+input's cached form (above) goes through one.
 
 Weights from the masters. A stacked expert weight that a rank holds whole reaches the stages of an FP8
 step as its fp32 master, not a bf16 copy (``quantized_from_master`` names them; ``parallel`` and the

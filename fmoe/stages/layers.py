@@ -285,10 +285,11 @@ def expert_mlp(x: Tensor, gate_up_w: Tensor, down_w: Tensor, offs: Tensor) -> Te
     """SwiGLU experts over expert-grouped rows. x: [n, H], gate_up_w: [E, 2I, H], down_w: [E, H, I],
     offs: [E] int32 cumulative end offsets -> [n, H]. In FP8 with the fused kernels one Function
     hands the FP8 operands between the GEMMs and SwiGLU (``primitives.fp8_swiglu_experts``: the bits
-    of this composition with the fused SwiGLU)."""
+    of this composition with the fused SwiGLU). In FP8 the down GEMM's W reads the FP8 rows of
+    SwiGLU's output (``w_reads_rows``), which nothing else keeps."""
     if _fused(x) and fuses_fp8_swiglu_experts(x, gate_up_w, down_w):
         return fp8_swiglu_experts(x, gate_up_w, down_w, offs)
-    return grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)
+    return grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs, w_reads_rows=True)
 
 
 def gathered_expert_mlp(

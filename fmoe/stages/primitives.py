@@ -171,15 +171,16 @@ def grouped_mm_weight_grad(x: Tensor, dy: Tensor, offs: Tensor, num_groups: int)
 class GroupedWeightGrad:
     """A deferred expert weight GEMM, ``dW[e] = dy_e^T @ x_e``, kept as data rather than a closure
     so that a step can merge the W of several microbatches into one GEMM
-    (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``),
-    dy [n, m] (FP8: or its Fp8Act, the rows B quantized for the input gradient, which W requantizes
-    along tokens: DeepSeek-V3's recipe), offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n]
+    (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``, or
+    its Fp8Act, the rows F quantized for the forward: SwiGLU's output, ``grouped_linear``'s
+    ``w_reads_rows``), dy [n, m] (FP8: or its Fp8Act, the rows B quantized for the input gradient);
+    W requantizes FP8 rows along tokens (DeepSeek-V3's recipe), offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n]
     int32), x is the tokens [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``; with
     ``dy_rows`` ([n] int32), dy is the output gradient in token-slot order and row i is
     ``dy[dy_rows[i]]``. W then reads them where they lie (the experts of the local dispatch,
     :func:`fp8_swiglu_experts`): no gathered copy is kept for it."""
 
-    x: Tensor | Fp8ActT
+    x: Tensor | Fp8ActT | Fp8Act
     dy: Tensor | Fp8Act
     offs: Tensor
     num_groups: int
@@ -195,6 +196,8 @@ class GroupedWeightGrad:
             raise ValueError(
                 "GroupedWeightGrad: a dy quantized in FP8 needs fp8=True, the gradient's out_dtype and no dy_rows"
             )
+        if _is_fp8_rows(self.x) and not (self.fp8 and self.x_rows is None):
+            raise ValueError("GroupedWeightGrad: an x of FP8 rows needs fp8=True and no x_rows")
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -214,14 +217,21 @@ class GroupedWeightGrad:
             return quantize_act_t_gathered([t.contiguous()], torch.zeros_like(rows), rows, self.offs)
         return _rows_of(t, rows)
 
-    def gathered_x(self) -> Tensor | Fp8ActT:
-        """x's [n, k] rows: x itself (a tensor or its cached Fp8ActT), or (``x_rows``) the gathered
-        copy of the tokens' rows."""
+    def gathered_x(self) -> Tensor | Fp8ActT | Fp8Act:
+        """x's [n, k] rows: x itself (a tensor, its cached Fp8ActT or its FP8 rows), or (``x_rows``)
+        the gathered copy of the tokens' rows."""
         return _rows_of(self.x, self.x_rows)
 
     def gathered_dy(self) -> Tensor | Fp8Act:
         """dy's [n, m] rows: dy itself (a tensor or its Fp8Act), or (``dy_rows``) the gathered copy."""
         return _rows_of(self.dy, self.dy_rows)
+
+
+def _is_fp8_rows(t: object) -> bool:
+    """Whether t is an Fp8Act (FP8 rows, 1x128 groups along features)."""
+    from fmoe.kernels.fp8_quant import Fp8Act
+
+    return isinstance(t, Fp8Act)
 
 
 def _rows_of(t: Tensor | Fp8ActT, rows: Tensor | None) -> Tensor | Fp8ActT:
@@ -349,17 +359,22 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
     """
     if len(parts) == 1:
         return parts[0]()
-    if any(not isinstance(p.x, Tensor) for p in parts):  # tiles of the merged rows straddle parts
+    if any(not isinstance(p.x, Tensor) and not _is_fp8_rows(p.x) for p in parts):
+        # a cached Fp8ActT: tiles of the merged rows would straddle parts
         raise ValueError(
             "merge_grouped_weight_grads: an input cached in FP8 cannot be merged bitwise with another "
             "micro-batch's (cache expert inputs only where W is not merged: MemoryPolicy.fp8_cache_experts)"
         )
     first = parts[0]
     if any(
-        (p.fp8, p.out_dtype, p.num_groups) != (first.fp8, first.out_dtype, first.num_groups) for p in parts
+        (p.fp8, p.out_dtype, p.num_groups, _is_fp8_rows(p.x))
+        != (first.fp8, first.out_dtype, first.num_groups, _is_fp8_rows(first.x))
+        for p in parts
     ):
-        raise ValueError("merge_grouped_weight_grads: parts differ in fp8, out_dtype or num_groups")
-    E, device = first.num_groups, first.x.device
+        raise ValueError(
+            "merge_grouped_weight_grads: parts differ in fp8, out_dtype, num_groups or x's form (FP8 rows or not)"
+        )
+    E, device = first.num_groups, first.offs.device
     counts = torch.stack([torch.diff(p.offs.to(torch.int64), prepend=p.offs.new_zeros(1)) for p in parts])
     per_expert = counts.sum(0)  # [E] rows of each expert over all parts
     expert_start = torch.cumsum(per_expert, 0) - per_expert
@@ -379,18 +394,23 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
 
         if len(parts) <= GATHER_MAX_PARTS:
             return _fp8_weight_grad_gathered(parts, dests, offs, n)
+    x = _merged_rows([p.gathered_x() for p in parts], dests, n)
+    dy = _merged_rows([p.gathered_dy() for p in parts], dests, n)
+    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.grad_dtype)
+
+
+def _merged_rows(parts: list[Tensor] | list[Fp8Act], dests: list[Tensor], n: int) -> Tensor | Fp8Act:
+    """The n rows whose row dests[i][j] is row j of parts[i]: tensors' rows scattered into one, or
+    FP8 rows' bits and scales copied into one Fp8Act."""
     from fmoe.kernels.permute import scatter_rows
 
-    x = first.x.new_empty(n, first.x.shape[1])
+    first = parts[0]
+    if not isinstance(first, Tensor):
+        return _merged_fp8_rows(parts, dests, n)
+    out = first.new_empty(n, first.shape[1])
     for p, dest in zip(parts, dests):
-        scatter_rows(p.gathered_x().contiguous(), dest, x)
-    if isinstance(first.dy, Tensor):
-        dy = first.dy.new_empty(n, first.dy.shape[1])
-        for p, dest in zip(parts, dests):
-            scatter_rows(p.gathered_dy().contiguous(), dest, dy)
-    else:
-        dy = _merged_fp8_rows([p.dy for p in parts], dests, n)
-    return _grouped_weight_grad(x, dy, offs, E, first.fp8, first.grad_dtype)
+        scatter_rows(p.contiguous(), dest, out)
+    return out
 
 
 def _merged_fp8_rows(parts: list[Fp8Act], dests: list[Tensor], n: int) -> Fp8Act:
@@ -426,7 +446,7 @@ def _fp8_weight_grad_gathered(
         src_part.index_fill_(0, dest, i)
         x_src_row.index_copy_(0, dest, own if p.x_rows is None else p.x_rows)
         dy_src_row.index_copy_(0, dest, own if p.dy_rows is None else p.dy_rows)
-    x_t = quantize_act_t_gathered([p.x.contiguous() for p in parts], src_part, x_src_row, offs)
+    x_t = quantize_act_t_gathered([_contiguous_rows(p.x) for p in parts], src_part, x_src_row, offs)
     dy_t = quantize_act_t_gathered([_contiguous_rows(p.dy) for p in parts], src_part, dy_src_row, offs)
     first = parts[0]
     return fp8_grouped_linear_weight_grad(x_t, dy_t, offs, out_dtype=first.grad_dtype)
@@ -572,46 +592,64 @@ class _Fp8Linear(torch.autograd.Function):
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(
-        x: Tensor, w: Tensor, offs: Tensor, w_fp8, cached: CachedInput | None, fp8_wgrad: bool
+        x: Tensor,
+        w: Tensor,
+        offs: Tensor,
+        w_fp8,
+        cached: CachedInput | None,
+        x_rows: Fp8Act | None,
+        fp8_wgrad: bool,
+        w_reads_rows: bool,
     ) -> Tensor:
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward
 
-        return fp8_grouped_linear_forward(
-            x if cached is None else cached.rows, w_fp8, offs, out_dtype=x.dtype
-        )
+        rows = cached.rows if cached is not None else x_rows
+        return fp8_grouped_linear_forward(x if rows is None else rows, w_fp8, offs, out_dtype=x.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        x, w, offs, w_fp8, cached, fp8_wgrad = inputs
-        ctx.save_for_backward(offs, *((x,) if cached is None else cols_to_save(cached.cols)))
-        ctx.cached, ctx.fp8_wgrad = cached is not None, fp8_wgrad
+        x, w, offs, w_fp8, cached, x_rows, fp8_wgrad, w_reads_rows = inputs
+        # what W reads of x: its cached form (``cached`` itself is not kept: its rows die after F),
+        # the FP8 rows the forward read (x_rows: requantized along tokens), or x (with w_reads_rows,
+        # under selective recomputation: B quantizes the remade x's rows for W)
+        if cached is not None:
+            ctx.x_kept, kept = "cached", cols_to_save(cached.cols)
+        elif x_rows is not None:
+            ctx.x_kept, kept = "rows", (x_rows.data, x_rows.scale)
+        else:
+            ctx.x_kept, kept = "x", (x,)
+        ctx.save_for_backward(offs, *kept)
+        ctx.fp8_wgrad, ctx.w_reads_rows = fp8_wgrad, w_reads_rows
         ctx.weight, ctx.w_fp8, ctx.tape = w, w_fp8, _tape_for(w)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
+        from fmoe.kernels.fp8_quant import Fp8Act, quantize_act
 
         offs, *saved = ctx.saved_tensors
-        x = cols_from_saved(tuple(saved)) if ctx.cached else saved[0]
+        x = {"cached": cols_from_saved, "rows": lambda kept: Fp8Act(*kept), "x": lambda kept: kept[0]}[
+            ctx.x_kept
+        ](tuple(saved))
         dtype = dy.dtype
         if ctx.fp8_wgrad and ctx.needs_input_grad[1]:  # dy's FP8 rows: the input gradient's and W's
-            from fmoe.kernels.fp8_quant import quantize_act
-
             dy = quantize_act(dy)
+            if ctx.w_reads_rows and ctx.x_kept == "x":  # x remade by selective recomputation
+                x = quantize_act(x)  # the rows F read: the bits W reads without recomputation
         dx = (
             fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dtype)
             if ctx.needs_input_grad[0]
             else None
         )
         if not ctx.needs_input_grad[1]:
-            return dx, None, None, None, None, None
+            return dx, None, None, None, None, None, None, None
         # as data, so that W can merge the GEMMs of a step's microbatches (merge_grouped_weight_grads);
         # in the compute dtype (dy's), also for a weight given as its fp32 master (quantized_from_master)
         compute = GroupedWeightGrad(x, dy, offs, ctx.weight.shape[0], fp8=ctx.fp8_wgrad, out_dtype=dtype)
         if ctx.tape is not None:
             ctx.tape.record(ctx.weight, compute)
-            return dx, None, None, None, None, None
-        return dx, compute(), None, None, None, None
+            return dx, None, None, None, None, None, None, None
+        return dx, compute(), None, None, None, None, None, None
 
 
 def embedding(tokens: Tensor, w: Tensor) -> Tensor:
@@ -644,30 +682,48 @@ def linear(x: Tensor, w: Tensor, fp8: bool = True, cache: bool = True) -> Tensor
     return _Linear.apply(x, w)
 
 
-def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, *, w_reads_rows: bool = False) -> Tensor:
     """Expert-grouped ``x_e @ w[e].T`` with a deferrable weight gradient.
 
     x: [n, in] rows grouped by expert, w: [E, out, in], offs: [E] int32 cumulative end offsets
     (an expert may get no rows) -> [n, out]. FP8 inside :func:`fp8_training`, as for ``linear``;
     opened with ``expert_wgrad=False``, its weight gradient runs in the compute dtype.
+
+    ``w_reads_rows``: with FP8 weight gradients, W reads the FP8 rows the forward GEMM read,
+    requantized along tokens (DeepSeek-V3's recipe; one rounding more), and x itself is not kept,
+    nor cached (its rows are smaller than the cached form, which pads each expert): for an x nothing
+    else keeps (SwiGLU's output, the down projection's input), about half the bytes held until W and
+    one read of x fewer, the same bits at any merge window. Under selective recomputation x is
+    dropped as before and B quantizes the remade x's rows for W (the same bits). The fused experts do
+    the same (:func:`fp8_swiglu_experts`).
     """
     w_fp8 = fp8_mode.fp8_weight(x, w, dense=False)
     if w_fp8 is not None:
         fp8_wgrad = fp8_mode.fp8_expert_wgrad()  # else W reads x itself: nothing to cache
-        cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
-        return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached, fp8_wgrad)
+        x_rows = cached = None
+        w_reads_rows = w_reads_rows and fp8_wgrad
+        # not under selective recomputation, which drops x (B remakes it) rather than keep its rows
+        if w_reads_rows and not recomputing():
+            from fmoe.kernels.fp8_quant import quantize_act
+
+            x_rows = quantize_act(x.detach())  # [n, in] FP8: the forward's operand and W's
+        elif fp8_wgrad:
+            cached = fp8_mode.cached_input("grouped_linear", x, x, offs)
+        return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached, x_rows, fp8_wgrad, w_reads_rows)
     return _GroupedLinear.apply(x, w, offs)
 
 
 class _Fp8SwiGLUExperts(torch.autograd.Function):
     """``grouped_linear(swiglu(grouped_linear(x, gate_up_w, offs)), down_w, offs)`` in FP8 as one
     Function, so that each FP8 operand is written by the kernel that makes its values: SwiGLU writes
-    its output's FP8 rows (the down GEMM's input) beside the bf16 output W reads, its backward the
-    FP8 rows of the gate/up gradient (the up GEMM's input-gradient operand) and, with FP8 weight
-    gradients, nothing else: W reads those rows too, requantized along tokens (as it reads dy's rows,
-    which B quantized for the down GEMM's input gradient; DeepSeek-V3's recipe), so no bf16 output
-    gradient is written for it or kept; the four GEMMs of F and B walk one tile map. The bits are those of the composition
-    (each FP8 operand is the quantization of the same bf16 values), the saved tensors the same, and
+    its output's FP8 rows (the down GEMM's input), its backward the FP8 rows of the gate/up gradient
+    (the up GEMM's input-gradient operand), and with FP8 weight gradients nothing else: W reads
+    those rows too, requantized along tokens (as it reads dy's rows, which B quantized for the down
+    GEMM's input gradient; DeepSeek-V3's recipe), so no bf16 copy of SwiGLU's output or of an output
+    gradient is written for W or kept (bf16 weight gradients: SwiGLU also writes its bf16 output, W's
+    operand); the four GEMMs of F and B walk one tile map. The bits are those of the composition
+    (each FP8 operand is the quantization of the same bf16 values; the down GEMM as
+    ``grouped_linear(..., w_reads_rows=True)``), the saved tensors the same, and
     W gets the same two entries (down's, then up's, as B runs them), their gradients in the compute
     dtype (dy's) whatever dtype the weights come in (an fp32 master: ``fp8_mode.quantized_from_master``).
 
@@ -681,9 +737,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     ``dy_rows``)."""
 
     @staticmethod
-    def forward(
-        ctx, x, gate_up_w, down_w, offs, up_fp8, down_fp8, x_cached, cache_a, fp8_wgrad, order, top_k
-    ):
+    def forward(ctx, x, gate_up_w, down_w, offs, up_fp8, down_fp8, x_cached, fp8_wgrad, order, top_k):
         from fmoe.kernels import fused
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_forward, nt_tile_map
         from fmoe.kernels.fp8_quant import quantize_act_gathered
@@ -696,9 +750,9 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         else:
             rows = x if x_cached is None else x_cached.rows
         gate_up = fp8_grouped_linear_forward(rows, up_fp8, offs, out_dtype=x.dtype, tiles=tiles)
-        if cache_a:  # W reads a's cached form: no bf16 a at all
-            a_rows, a_cols = fused.swiglu_quant(gate_up, offs, with_t=True)
-            a_saved = cols_to_save(a_cols)
+        if fp8_wgrad:  # W requantizes the rows the down GEMM reads, cached or not: no bf16 a at all
+            a_rows = fused.swiglu_quant(gate_up)
+            a_saved = (a_rows.data, a_rows.scale)
         else:
             a, a_rows = fused.swiglu(gate_up, quantize=True)
             a_saved = (a,)
@@ -709,7 +763,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         tile_tensors = (tiles.expert, tiles.row, tiles.group_end, tiles.first_tile, tiles.num_tiles)
         ctx.save_for_backward(offs, gate_up, *tile_tensors, *x_saved, *a_saved)
         ctx.tile_sizes = (tiles.cap, tiles.tile)
-        ctx.x_parts, ctx.x_cached, ctx.a_cached = len(x_saved), x_cached is not None, cache_a
+        ctx.x_parts, ctx.x_cached = len(x_saved), x_cached is not None
         ctx.gathered, ctx.top_k = x_rows is not None, top_k
         ctx.fp8_wgrad = fp8_wgrad
         ctx.weights, ctx.fp8 = (gate_up_w, down_w), (up_fp8, down_fp8)
@@ -720,7 +774,7 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         from fmoe.kernels import fused
         from fmoe.kernels.fp8_linear import fp8_grouped_linear_input_grad
-        from fmoe.kernels.fp8_quant import TileMap
+        from fmoe.kernels.fp8_quant import Fp8Act, TileMap
 
         offs, gate_up, *rest = ctx.saved_tensors
         tiles = TileMap(*rest[:5], *ctx.tile_sizes)
@@ -729,11 +783,11 @@ class _Fp8SwiGLUExperts(torch.autograd.Function):
         order = x_saved[1] if ctx.gathered else None
         x_rows = None if order is None else _token_rows(order, ctx.top_k)  # row i is x[x_rows[i]]
         slot_rows = None if order is None else order.to(torch.int32)  # row i is dy[slot_rows[i]]
-        a = cols_from_saved(tuple(a_saved)) if ctx.a_cached else a_saved[0]
+        fp8_w = ctx.fp8_wgrad  # W reads FP8 rows of a and of the output gradients (requantized along tokens)
+        a = Fp8Act(*a_saved) if fp8_w else a_saved[0]
         (up_w, down_w), (up_fp8, down_fp8) = ctx.weights, ctx.fp8
         need_x, need_up, need_down = ctx.needs_input_grad[:3]
         E = up_w.shape[0]
-        fp8_w = ctx.fp8_wgrad  # W reads the FP8 rows of the output gradients (requantized along tokens)
         grads = [None, None]  # gate_up_w's, down_w's
         dy_q = None
         if need_x or need_up or (need_down and fp8_w):
@@ -816,14 +870,16 @@ def fp8_swiglu_experts(
 
     x: [n, H] expert-grouped rows (last dim contiguous), gate_up_w: [E, 2I, H] (gate rows first),
     down_w: [E, H, I], offs: [E] int32 cumulative end rows -> [n, H] in x's dtype. The weight
-    gradients are deferred and FP8 as ``grouped_linear``'s are; inputs are cached in FP8 as there.
+    gradients are deferred and FP8 as ``grouped_linear``'s are; x is cached in FP8 as there, and
+    SwiGLU's output kept as its FP8 rows (``w_reads_rows``), cached or not.
 
     order: [n] int64, then x is the tokens [T, H] (n = T * top_k), the rows are
     ``layers.permute_rows(x, order, top_k)``, read from the tokens, never copied, and the result is
     in token-slot order, ``layers.unpermute_rows(rows' result, order, top_k)`` flat to [n, H]: its
     bits and every gradient's (x's is the tokens') are those of that composition. Up's W keeps the
     tokens (no FP8 cache of them: the [T, H] tokens are smaller than the cached form of their k T
-    rows), down's the output gradient's FP8 rows (bf16 weight gradients: the slot-ordered gradient)."""
+    rows), down's the FP8 rows of SwiGLU's output and of the output gradient (bf16 weight gradients:
+    SwiGLU's bf16 output and the slot-ordered gradient)."""
     weights = fp8_mode.fp8_swiglu_expert_weights(x, gate_up_w, down_w)
     if weights is None or recomputing():
         raise ValueError(
@@ -833,16 +889,11 @@ def fp8_swiglu_experts(
     fp8_wgrad = fp8_mode.fp8_expert_wgrad()  # else W reads x and a in the compute dtype: no caching
     if order is None:
         x_cached = fp8_mode.cached_input("grouped_linear", x, x, offs) if fp8_wgrad else None
-        rows = x.shape[0]
     else:
         if order.dim() != 1 or order.shape[0] != x.shape[0] * top_k:
             raise ValueError(
                 f"fp8_swiglu_experts: order {tuple(order.shape)} is not [tokens * top_k] = "
                 f"[{x.shape[0]} * {top_k}]"
             )
-        x_cached, rows = None, order.shape[0]
-    inter = down_w.shape[-1]
-    cache_a = fp8_wgrad and fp8_mode.caches_made_input("grouped_linear", rows, inter, x.element_size(), offs)
-    return _Fp8SwiGLUExperts.apply(
-        x, gate_up_w, down_w, offs, *weights, x_cached, cache_a, fp8_wgrad, order, top_k
-    )
+        x_cached = None
+    return _Fp8SwiGLUExperts.apply(x, gate_up_w, down_w, offs, *weights, x_cached, fp8_wgrad, order, top_k)

@@ -273,3 +273,76 @@ def test_cpu_without_interpreter_takes_the_reference(monkeypatch):
     monkeypatch.setenv("FMOE_KERNEL_BACKEND", "auto")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not use_triton(torch.zeros(1))
+
+
+# The FP8 step's quantization kernels in the forms training launches, compiled to an sm_90 cubin with
+# the ptxas bundled in triton (no GPU needed): the interpreter runs their semantics above but lowers
+# nothing. Pointers and the parts' row counts (passed times 16) are marked divisible by 16, as a
+# launch on CUDA tensors specializes them.
+_COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fmoe.kernels import fp8_quant as fq, fused
+
+assert not fq.interpreting()
+DIV16 = [["tt.divisibility", 16]]
+
+
+def compile_(fn, signature, constexprs, num_warps):
+    attrs = {}
+    for i, ty in enumerate(signature.values()):  # every pointer, and each int of a tuple
+        for j, t in enumerate(ty if isinstance(ty, tuple) else (ty,)):
+            if t.startswith("*") or isinstance(ty, tuple):
+                attrs[(i, j) if isinstance(ty, tuple) else (i,)] = DIV16
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    assert kernel.asm["cubin"], fn.__name__
+
+
+def tiles(parts, **flags):
+    sig = {"parts": ("*u8",) * parts if flags["DEQUANT"] else ("*bf16",) * parts,
+           "sparts": ("*fp32",) * parts, "part_rows": ("i32",) * parts}
+    sig.update({n: "*i32" for n in ("src_part_ptr", "src_row_ptr")})
+    sig.update(q_ptr="*u8", s_ptr="*fp32", qt_ptr="*u8", st_ptr="*fp32")
+    sig.update({n: "*i32" for n in ("tile_expert_ptr", "tile_row_ptr", "group_end_ptr", "group_ptr")})
+    sig.update({n: "i32" for n in ("M", "K", "E", "stride_xm", "stride_qm", "stride_qtk", "half")})
+    consts = dict(PROLOGUE=0, ROWS=False, GATHER=False, GROUPED=True, POW2=False, EMULATE=False)
+    consts.update(flags)
+    sig.update({n: "constexpr" for n in consts})
+    compile_(fq._quant_tiles_kernel, sig, consts, fq.TILES_WARPS)
+
+
+def rows(prologue, gather):
+    sig = {"x_ptr": "*bf16", "src_row_ptr": "*i32", "q_ptr": "*u8", "s_ptr": "*fp32"}
+    sig.update({n: "i32" for n in ("M", "K", "stride_xm", "stride_qm", "half")})
+    consts = dict(PROLOGUE=prologue, GATHER=gather, POW2=False, EMULATE=False, BLOCK_R=fq.ROWS_BLOCK_R)
+    sig.update({n: "constexpr" for n in consts})
+    compile_(fq._quant_rows_kernel, sig, consts, fq.ROWS_WARPS)
+
+
+tiles(3, DEQUANT=True, GATHER=True)  # a merged W's requantization of FP8 rows over micro-batches
+tiles(3, DEQUANT=False, GATHER=True)  # ... of the tokens (up's x)
+tiles(1, DEQUANT=True)  # one micro-batch's W on FP8 rows
+tiles(1, DEQUANT=False, ROWS=True, GROUPED=False)  # a projection's dy: rows and token-wise form
+rows(1, False)  # SwiGLU's output rows (swiglu_quant)
+rows(0, True)  # the experts' rows from the tokens (quantize_act_gathered)
+sig = {"h_ptr": "*bf16", "da_ptr": "*bf16", "dh_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
+sig.update({n: "i32" for n in ("M", "I", "stride_hm", "stride_dam", "stride_dhm")})
+consts = dict(QUANT=True, STORE_DH=False, POW2=False, EMULATE=False, BLOCK_R=fused.SWIGLU_BLOCK_R)
+sig.update({n: "constexpr" for n in consts})
+compile_(fused._swiglu_bwd_kernel, sig, consts, 4)  # the gate/up gradient's rows alone
+print("compiled 7")
+"""
+
+
+def test_the_steps_quantization_kernels_compile_for_sm90_without_a_gpu():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "compiled 7" in proc.stdout

@@ -173,11 +173,11 @@ class GroupedWeightGrad:
     so that a step can merge the W of several microbatches into one GEMM
     (:func:`merge_grouped_weight_grads`). x [n, k] (FP8: or its cached Fp8ActT, ``fp8_mode``, or
     its Fp8Act, the rows F quantized for the forward: SwiGLU's output, ``grouped_linear``'s
-    ``w_reads_rows``), dy [n, m] (FP8: or its Fp8Act, the rows B quantized for the input gradient);
-    W requantizes FP8 rows along tokens (DeepSeek-V3's recipe), offs [E] int32 with offs[-1] = n. With ``x_rows`` ([n]
-    int32), x is the tokens [T, k] the rows were gathered from and row i is ``x[x_rows[i]]``; with
-    ``dy_rows`` ([n] int32), dy is the output gradient in token-slot order and row i is
-    ``dy[dy_rows[i]]``. W then reads them where they lie (the experts of the local dispatch,
+    ``w_reads_rows``), dy [n, m] (FP8: or its Fp8Act, the rows B quantized for the input
+    gradient); W requantizes FP8 rows along tokens (DeepSeek-V3's recipe). offs [E] int32 with
+    offs[-1] = n. With ``x_rows`` ([n] int32), x is the tokens [T, k] the rows were gathered from
+    and row i is ``x[x_rows[i]]``; with ``dy_rows`` ([n] int32), dy is the output gradient in
+    token-slot order and row i is ``dy[dy_rows[i]]``. W then reads them where they lie (the experts of the local dispatch,
     :func:`fp8_swiglu_experts`): no gathered copy is kept for it."""
 
     x: Tensor | Fp8ActT | Fp8Act
@@ -628,9 +628,12 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         from fmoe.kernels.fp8_quant import Fp8Act, quantize_act
 
         offs, *saved = ctx.saved_tensors
-        x = {"cached": cols_from_saved, "rows": lambda kept: Fp8Act(*kept), "x": lambda kept: kept[0]}[
-            ctx.x_kept
-        ](tuple(saved))
+        if ctx.x_kept == "cached":
+            x = cols_from_saved(tuple(saved))
+        elif ctx.x_kept == "rows":
+            x = Fp8Act(*saved)
+        else:
+            (x,) = saved
         dtype = dy.dtype
         if ctx.fp8_wgrad and ctx.needs_input_grad[1]:  # dy's FP8 rows: the input gradient's and W's
             dy = quantize_act(dy)

@@ -608,8 +608,9 @@ SWIGLU_T_SHAPES = {  # family -> (tokens a micro-batch, experts, top-k, expert w
 
 @part("swiglu_t")
 def swiglu_t() -> None:
-    """The cached FP8 experts' SwiGLU (expert inputs cached: merge window 1, pp > 1): its FP8 rows
-    and token-wise transpose from one pass (swiglu_quant(with_t=True): the tile kernel recomputing
+    """SwiGLU's FP8 rows and token-wise transpose (what the FP8 experts cached at merge window 1
+    until their W read the rows instead: grouped_linear's w_reads_rows; no training path runs it
+    now), from one pass (swiglu_quant(with_t=True): the tile kernel recomputing
     SwiGLU, 32% of a copy at Qwen3's rows on an H100, issue26_tile_launch_2026-12-07_h100.json)
     against two (swiglu_t_two_pass), each checked bitwise against the reference first."""
     r = RESULT.setdefault("swiglu_t", {})

@@ -3,10 +3,11 @@
 With ``train.fp8`` and ``memory.fp8_cache`` (:class:`Fp8Caching`), an FP8 linear whose input is made
 inside its stage, is not a view and is read by FP8 linears only keeps that input in FP8 for its
 weight gradient (``fmoe.stages.fp8_mode``). :func:`fp8_cache_bytes` is what that changes in a stage's
-saved bytes: each cached input's form (``cached_input_bytes``) in place of its compute-dtype bytes,
-and the FP8 rows of the input an FP8 expert weight gradient reads as rows (SwiGLU's output, cached or
-not), per the stages' code (:func:`fp8_inputs` lists them per family and role). Checked to the byte
-against the saved tensors of a CPU run (tests/test_fp8_cache.py). The FP8 weight copies are the
+saved bytes: each cached input's form (``cached_input_bytes``) in place of its compute-dtype bytes;
+:func:`fp8_rows_bytes` what FP8 expert weight gradients change, cached or not: the input kept as the
+FP8 rows its GEMM read (SwiGLU's output). Both per the stages' code (:func:`fp8_inputs` lists the
+inputs per family and role), checked to the byte against the saved tensors of a CPU run
+(tests/test_fp8_cache.py). The FP8 weight copies are the
 gathered term's (``fmoe.plan.fp8_weight_bytes``).
 """
 

@@ -47,8 +47,9 @@ def fp8_config(**overrides):
 
 def cached_kinds(monkeypatch) -> list[str]:
     """The primitive kinds whose inputs get cached (one entry per quantization) while a test runs: an
-    input quantized with its rows by ``quantize_act_t`` in F, or the experts' SwiGLU output by
-    ``swiglu_quant`` (the fused FP8 experts, ``primitives.fp8_swiglu_experts``)."""
+    input quantized with its rows by ``quantize_act_t`` in F, or a SwiGLU output with its token-wise
+    form by ``swiglu_quant(with_t=True)`` (what the fused FP8 experts cached before their W read
+    SwiGLU's FP8 rows: counted, so that the counts below would show it back)."""
     kinds = []
     real, real_swiglu = fp8_quant.quantize_act_t, fused.swiglu_quant  # imported at each call
 
@@ -654,3 +655,32 @@ def test_the_plan_counts_the_fp8_weight_copies_in_gathered():
     )
     assert experts_bf16 > 0
     assert gathered[True] - gathered[False] == plan.fp8_weight_bytes(infos, True) - experts_bf16
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_w_reads_rows_of_an_x_no_region_makes_keeps_rows_under_selective_recomputation(cache):
+    # grouped_linear(w_reads_rows=True) decides by x itself, not by the F running under selective
+    # recomputation: an x no recomputable block made is kept as its FP8 rows (never cached in its
+    # token-wise form, which W would read rounded once) with recomputation or without, the same bits
+    gen = torch.Generator().manual_seed(11)
+    counts = [300, 0, 190, 278]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    n = sum(counts)
+    x = torch.randn(n, 256, generator=gen).bfloat16()
+    w = (torch.randn(len(counts), 256, 128, generator=gen) * 0.05).bfloat16()
+    dy = torch.randn(n, 256, generator=gen).bfloat16()
+    stage = Stage(
+        "ex",
+        lambda p, i, c: (grouped_linear(torch.tanh(i[0][:, :128] * 1), p["w"], offs, w_reads_rows=True),),
+        ("e.w",),
+        "e.",
+    )
+    out = {}
+    for mode in ("none", "selective"):
+        with fp8_training(True, cache_expert_inputs=cache):
+            _, fwd = S.forward(stage, {"e.w": w}, (x,), StageContext(), mode=mode)
+            _, work = S.backward_input(fwd, (dy,))
+            kinds = [type(c.x).__name__ for _, c in work.tape.entries]
+            out[mode] = (kinds, S.backward_weight(work)["e.w"])
+    assert out["none"][0] == out["selective"][0] == ["Fp8Act"]
+    assert torch.equal(out["none"][1], out["selective"][1])

@@ -73,7 +73,6 @@ __all__ = [
     "CachedInput",
     "cached_input",
     "cached_input_bytes",
-    "caches_made_input",
     "cols_from_saved",
     "cols_to_save",
     "fp8_dense_wgrad",
@@ -279,7 +278,7 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
         return None
     if is_recomputed(x):  # selective recomputation keeps no bytes of it at all
         return None
-    if not caches_made_input(kind, x2.shape[0], x2.shape[1], x2.element_size(), offs):
+    if not _caches_made_input(kind, x2.shape[0], x2.shape[1], x2.element_size(), offs):
         return None
     seen = _SEEN.get()
     hit = seen.get(id(x)) if seen is not None else None
@@ -294,7 +293,7 @@ def cached_input(kind: str, x: Tensor, x2: Tensor, offs: Tensor | None) -> Cache
     return value
 
 
-def caches_made_input(kind: str, rows: int, k: int, itemsize: int, offs: Tensor | None) -> bool:
+def _caches_made_input(kind: str, rows: int, k: int, itemsize: int, offs: Tensor | None) -> bool:
     """Whether an input [rows, k] (``itemsize`` bytes an element) that an F made - not a stage's
     input, not recomputed - for the FP8 primitive ``kind`` is kept in its cached form now: caching is
     on for ``kind`` and the cached form is smaller (``cached_input_bytes``). offs: [E] int32, or None

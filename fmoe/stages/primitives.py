@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fmoe.stages import fp8_mode
 from fmoe.stages.fp8_mode import CachedInput, cols_from_saved, cols_to_save, fp8_training
-from fmoe.stages.recompute import recomputing
+from fmoe.stages.recompute import is_recomputed, recomputing
 
 if TYPE_CHECKING:
     from fmoe.kernels.fp8_quant import Fp8Act, Fp8ActT
@@ -177,8 +177,8 @@ class GroupedWeightGrad:
     gradient); W requantizes FP8 rows along tokens (DeepSeek-V3's recipe). offs [E] int32 with
     offs[-1] = n. With ``x_rows`` ([n] int32), x is the tokens [T, k] the rows were gathered from
     and row i is ``x[x_rows[i]]``; with ``dy_rows`` ([n] int32), dy is the output gradient in
-    token-slot order and row i is ``dy[dy_rows[i]]``. W then reads them where they lie (the experts of the local dispatch,
-    :func:`fp8_swiglu_experts`): no gathered copy is kept for it."""
+    token-slot order and row i is ``dy[dy_rows[i]]``. W then reads them where they lie (the experts
+    of the local dispatch, :func:`fp8_swiglu_experts`): no gathered copy is kept for it."""
 
     x: Tensor | Fp8ActT | Fp8Act
     dy: Tensor | Fp8Act
@@ -372,7 +372,8 @@ def merge_grouped_weight_grads(parts: list[GroupedWeightGrad]) -> Tensor:
         for p in parts
     ):
         raise ValueError(
-            "merge_grouped_weight_grads: parts differ in fp8, out_dtype, num_groups or x's form (FP8 rows or not)"
+            "merge_grouped_weight_grads: parts differ in fp8, out_dtype, num_groups "
+            "or x's form (FP8 rows or not)"
         )
     E, device = first.num_groups, first.offs.device
     counts = torch.stack([torch.diff(p.offs.to(torch.int64), prepend=p.offs.new_zeros(1)) for p in parts])
@@ -611,7 +612,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         x, w, offs, w_fp8, cached, x_rows, fp8_wgrad, w_reads_rows = inputs
         # what W reads of x: its cached form (``cached`` itself is not kept: its rows die after F),
         # the FP8 rows the forward read (x_rows: requantized along tokens), or x (with w_reads_rows,
-        # under selective recomputation: B quantizes the remade x's rows for W)
+        # an x selective recomputation remakes: B quantizes the remade x's rows for W)
         if cached is not None:
             ctx.x_kept, kept = "cached", cols_to_save(cached.cols)
         elif x_rows is not None:
@@ -637,7 +638,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         dtype = dy.dtype
         if ctx.fp8_wgrad and ctx.needs_input_grad[1]:  # dy's FP8 rows: the input gradient's and W's
             dy = quantize_act(dy)
-            if ctx.w_reads_rows and ctx.x_kept == "x":  # x remade by selective recomputation
+            if ctx.w_reads_rows and ctx.x_kept == "x":  # x dropped and remade by selective recomputation
                 x = quantize_act(x)  # the rows F read: the bits W reads without recomputation
         dx = (
             fp8_grouped_linear_input_grad(dy, ctx.w_fp8, offs, out_dtype=dtype)
@@ -696,7 +697,7 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, *, w_reads_rows: bool = F
     requantized along tokens (DeepSeek-V3's recipe; one rounding more), and x itself is not kept,
     nor cached (its rows are smaller than the cached form, which pads each expert): for an x nothing
     else keeps (SwiGLU's output, the down projection's input), about half the bytes held until W and
-    one read of x fewer, the same bits at any merge window. Under selective recomputation x is
+    one read of x fewer, the same bits at any merge window. An x selective recomputation remakes is
     dropped as before and B quantizes the remade x's rows for W (the same bits). The fused experts do
     the same (:func:`fp8_swiglu_experts`).
     """
@@ -705,12 +706,12 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, *, w_reads_rows: bool = F
         fp8_wgrad = fp8_mode.fp8_expert_wgrad()  # else W reads x itself: nothing to cache
         x_rows = cached = None
         w_reads_rows = w_reads_rows and fp8_wgrad
-        # not under selective recomputation, which drops x (B remakes it) rather than keep its rows
-        if w_reads_rows and not recomputing():
+        # not for an x selective recomputation remakes: it is dropped (B quantizes the remade rows)
+        if w_reads_rows and not is_recomputed(x):
             from fmoe.kernels.fp8_quant import quantize_act
 
             x_rows = quantize_act(x.detach())  # [n, in] FP8: the forward's operand and W's
-        elif fp8_wgrad:
+        elif fp8_wgrad and not w_reads_rows:  # never a cached form W would read otherwise than rows
             cached = fp8_mode.cached_input("grouped_linear", x, x, offs)
         return _Fp8GroupedLinear.apply(x, w, offs, w_fp8, cached, x_rows, fp8_wgrad, w_reads_rows)
     return _GroupedLinear.apply(x, w, offs)

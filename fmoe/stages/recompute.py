@@ -8,7 +8,8 @@ keep, in place of the block's output wherever a later op saves it (a GEMM's inpu
 of the block; B recomputes the output from ``args`` the first time it is unpacked. The autograd
 graph is unchanged (the same nodes, the same saved values), so the gradients are bitwise those of
 a run that kept the output, the weight GEMMs a B leaves for W included (``fmoe.stages.primitives``:
-the tape keeps the recomputed tensor until W).
+the tape keeps the recomputed tensor until W, or, for an FP8 expert GEMM whose W reads its input's
+FP8 rows, the rows B quantizes of it).
 """
 
 from __future__ import annotations

@@ -86,6 +86,21 @@ def random_batch(cfg, batch: int, seq: int, seed: int = 0) -> dict[str, torch.Te
     return {"tokens": tokens, "labels": labels}
 
 
+def compile_for_sm90(script: str, compiled: int, timeout: int = 600) -> None:
+    """Run ``script`` (Triton kernels compiled to an sm_90 cubin with the ptxas bundled in triton, no
+    GPU needed) in a process of its own without the interpreter, which lowers nothing; it must print
+    ``compiled N`` for the ``compiled`` kernels it builds."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"compiled {compiled}" in proc.stdout, proc.stdout[-2000:]
+
+
 def relative_error(g: torch.Tensor, ref: torch.Tensor) -> float:
     """``||g - ref|| / ||ref||`` in float64: blind to nothing (scale, sign, a missing term), unlike a
     cosine. A zero reference gives 0 for a zero ``g`` and inf otherwise; shapes must agree."""

@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import compile_for_sm90  # noqa: E402
 
 from fmoe.kernels import fp8_quant as fq  # noqa: E402
 from fmoe.kernels._triton import interpreting, use_triton  # noqa: E402
@@ -337,12 +338,4 @@ print("compiled 7")
 
 
 def test_the_steps_quantization_kernels_compile_for_sm90_without_a_gpu():
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 7" in proc.stdout
+    compile_for_sm90(_COMPILE_SCRIPT, 7)

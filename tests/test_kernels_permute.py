@@ -13,12 +13,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import compile_for_sm90  # noqa: E402
 
 from fmoe.kernels import permute  # noqa: E402
 
@@ -336,9 +335,4 @@ _COMPILE_SCRIPT = textwrap.dedent(
 def test_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter does not lower anything; this compiles the real kernels (histogram, scan,
     # sort, gather, row scatter, slot-row sum) down to an sm_90 cubin with the ptxas bundled in triton, no GPU needed.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 10" in proc.stdout
+    compile_for_sm90(_COMPILE_SCRIPT, 10, timeout=300)
